@@ -1,0 +1,393 @@
+//! What a store keeps for one (scope, key): identifiers, the claim token and the recorded answer.
+
+use std::fmt;
+use std::time::Duration;
+
+use bytes::{Buf, BufMut, Bytes};
+use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use sha2::{Digest, Sha256};
+
+/// The store key of one idempotency record: SHA-256 of (scope, key).
+///
+/// Stores never see the raw client key, only this hash, so a hostile key cannot
+/// reach a store's key space or its logs.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RecordId([u8; 32]);
+
+impl RecordId {
+    /// Derives the record id of `key` within `scope` (`None` is the shared, unscoped space).
+    ///
+    /// Each part is length-prefixed, so `("ab", "c")` and `("a", "bc")` differ, and the
+    /// unscoped space differs from every named scope, the empty one included.
+    pub fn new(scope: Option<&str>, key: &str) -> Self {
+        let mut h = Sha256::new();
+        h.update(b"tower-idempotency record v1\0");
+        match scope {
+            None => h.update([0u8]),
+            Some(s) => {
+                h.update([1u8]);
+                h.update((s.len() as u64).to_be_bytes());
+                h.update(s.as_bytes());
+            }
+        }
+        h.update((key.len() as u64).to_be_bytes());
+        h.update(key.as_bytes());
+        Self(h.finalize().into())
+    }
+
+    /// Wraps 32 bytes read back from a store.
+    pub const fn from_bytes(bytes: [u8; 32]) -> Self {
+        Self(bytes)
+    }
+
+    /// The 32 raw bytes.
+    pub const fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
+    /// Lowercase hex, 64 characters: the form stores use in their keys.
+    pub fn to_hex(&self) -> String {
+        hex(&self.0)
+    }
+}
+
+impl fmt::Debug for RecordId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "RecordId({})", &self.to_hex()[..16])
+    }
+}
+
+impl fmt::Display for RecordId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_hex())
+    }
+}
+
+/// The `v1` SHA-256 fingerprint of a request: method, path, canonical body and chosen headers.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fingerprint([u8; 32]);
+
+impl Fingerprint {
+    /// Wraps 32 bytes read back from a store.
+    pub const fn from_bytes(bytes: [u8; 32]) -> Self {
+        Self(bytes)
+    }
+
+    /// The 32 raw bytes.
+    pub const fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Fingerprint({})", &hex(&self.0)[..16])
+    }
+}
+
+impl fmt::Display for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "v1:{}", hex(&self.0))
+    }
+}
+
+/// Proof of one claim: the record's generation and a random nonce.
+///
+/// The nonce matters: after a release the key starts again at generation 1, and a
+/// holder that outlived its lease must not be able to complete the new claim.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Token {
+    generation: u64,
+    nonce: [u8; 16],
+}
+
+impl Token {
+    /// A fresh token for `generation`, with a random nonce from the OS.
+    pub fn new(generation: u64) -> Self {
+        let mut nonce = [0u8; 16];
+        // The OS generator failing is a broken machine; a zero nonce would still be
+        // fenced by the generation, so this does not panic on the request path.
+        if getrandom::fill(&mut nonce).is_err() {
+            tracing::error!("getrandom failed; idempotency token nonce is weak");
+        }
+        Self { generation, nonce }
+    }
+
+    /// Rebuilds a token read back from a store.
+    pub const fn from_parts(generation: u64, nonce: [u8; 16]) -> Self {
+        Self { generation, nonce }
+    }
+
+    /// The record generation this token holds: 1 for a first claim, +1 per takeover.
+    pub const fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// The random part.
+    pub const fn nonce(&self) -> &[u8; 16] {
+        &self.nonce
+    }
+}
+
+impl fmt::Debug for Token {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The nonce is a capability: keep it out of logs.
+        f.debug_struct("Token")
+            .field("generation", &self.generation)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A recorded response, replayed byte for byte.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredResponse {
+    /// The status code.
+    pub status: StatusCode,
+    /// The allow-listed response headers.
+    pub headers: HeaderMap,
+    /// The whole body.
+    pub body: Bytes,
+    /// The trailers, when the body had them.
+    pub trailers: Option<HeaderMap>,
+}
+
+/// How a claimed request ended, as `complete` records it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Completion {
+    /// The answer, kept whole.
+    Response(StoredResponse),
+    /// The request completed with `status`, but its body was larger than the layer keeps.
+    /// Retries get a problem response, never a second execution.
+    Tombstone {
+        /// The status the original request answered with.
+        status: StatusCode,
+    },
+}
+
+/// The state of one record, as the store's clock sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RecordState {
+    /// Claimed and not yet completed.
+    InProgress {
+        /// Time left on the holder's lease; zero once it has lapsed.
+        lease_remaining: Duration,
+    },
+    /// Completed: the recorded answer.
+    Completed(Completion),
+}
+
+/// One idempotency record, as `claim` and `get` return it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Record {
+    /// The fingerprint of the request that claimed the key.
+    pub fingerprint: Fingerprint,
+    /// The generation of the latest claim.
+    pub generation: u64,
+    /// In progress or completed.
+    pub state: RecordState,
+}
+
+/// Why stored bytes could not be decoded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DecodeError(&'static str);
+
+impl fmt::Display for DecodeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "corrupt idempotency record: {}", self.0)
+    }
+}
+
+impl std::error::Error for DecodeError {}
+
+/// Version byte of the completion encoding; bump on any layout change.
+const COMPLETION_FORMAT: u8 = 1;
+const KIND_RESPONSE: u8 = 0;
+const KIND_TOMBSTONE: u8 = 1;
+
+impl Completion {
+    /// Encodes to the compact, versioned binary form stores keep.
+    ///
+    /// Layout (big-endian): version `u8`, kind `u8`, status `u16`; for a response then
+    /// headers, body (`u32` length + bytes) and trailers (`u8` present flag + headers),
+    /// where headers are a `u32` count of (`u16` name length, name, `u32` value length, value).
+    /// Bodies are raw bytes: no base64.
+    pub fn encode(&self) -> Vec<u8> {
+        match self {
+            Completion::Tombstone { status } => {
+                let mut out = Vec::with_capacity(4);
+                out.put_u8(COMPLETION_FORMAT);
+                out.put_u8(KIND_TOMBSTONE);
+                out.put_u16(status.as_u16());
+                out
+            }
+            Completion::Response(r) => {
+                let mut out = Vec::with_capacity(r.body.len() + 64 + 48 * r.headers.len());
+                out.put_u8(COMPLETION_FORMAT);
+                out.put_u8(KIND_RESPONSE);
+                out.put_u16(r.status.as_u16());
+                put_headers(&mut out, &r.headers);
+                out.put_u32(r.body.len() as u32);
+                out.extend_from_slice(&r.body);
+                match &r.trailers {
+                    None => out.put_u8(0),
+                    Some(t) => {
+                        out.put_u8(1);
+                        put_headers(&mut out, t);
+                    }
+                }
+                out
+            }
+        }
+    }
+
+    /// Decodes what [`Completion::encode`] wrote. The body shares `bytes`' allocation.
+    pub fn decode(bytes: Bytes) -> Result<Self, DecodeError> {
+        let mut buf = bytes;
+        need(&buf, 4)?;
+        if buf.get_u8() != COMPLETION_FORMAT {
+            return Err(DecodeError("unknown format version"));
+        }
+        let kind = buf.get_u8();
+        let status =
+            StatusCode::from_u16(buf.get_u16()).map_err(|_| DecodeError("invalid status"))?;
+        match kind {
+            KIND_TOMBSTONE => Ok(Completion::Tombstone { status }),
+            KIND_RESPONSE => {
+                let headers = get_headers(&mut buf)?;
+                need(&buf, 4)?;
+                let len = buf.get_u32() as usize;
+                need(&buf, len)?;
+                let body = buf.split_to(len);
+                need(&buf, 1)?;
+                let trailers = match buf.get_u8() {
+                    0 => None,
+                    1 => Some(get_headers(&mut buf)?),
+                    _ => return Err(DecodeError("invalid trailer flag")),
+                };
+                if buf.has_remaining() {
+                    return Err(DecodeError("trailing bytes"));
+                }
+                Ok(Completion::Response(StoredResponse {
+                    status,
+                    headers,
+                    body,
+                    trailers,
+                }))
+            }
+            _ => Err(DecodeError("unknown completion kind")),
+        }
+    }
+
+    /// The status the original request answered with.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Completion::Response(r) => r.status,
+            Completion::Tombstone { status } => *status,
+        }
+    }
+}
+
+fn need(buf: &Bytes, n: usize) -> Result<(), DecodeError> {
+    if buf.remaining() < n {
+        Err(DecodeError("truncated"))
+    } else {
+        Ok(())
+    }
+}
+
+fn put_headers(out: &mut Vec<u8>, headers: &HeaderMap) {
+    out.put_u32(headers.len() as u32);
+    for (name, value) in headers {
+        out.put_u16(name.as_str().len() as u16);
+        out.extend_from_slice(name.as_str().as_bytes());
+        out.put_u32(value.len() as u32);
+        out.extend_from_slice(value.as_bytes());
+    }
+}
+
+fn get_headers(buf: &mut Bytes) -> Result<HeaderMap, DecodeError> {
+    need(buf, 4)?;
+    let count = buf.get_u32() as usize;
+    let mut headers = HeaderMap::with_capacity(count.min(64));
+    for _ in 0..count {
+        need(buf, 2)?;
+        let n = buf.get_u16() as usize;
+        need(buf, n)?;
+        let name = HeaderName::from_bytes(&buf.split_to(n))
+            .map_err(|_| DecodeError("invalid header name"))?;
+        need(buf, 4)?;
+        let v = buf.get_u32() as usize;
+        need(buf, v)?;
+        let value = HeaderValue::from_maybe_shared(buf.split_to(v))
+            .map_err(|_| DecodeError("invalid header value"))?;
+        headers.append(name, value);
+    }
+    Ok(headers)
+}
+
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        s.push(DIGITS[(b >> 4) as usize] as char);
+        s.push(DIGITS[(b & 0xf) as usize] as char);
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn completion_round_trips_binary_body_headers_and_trailers() {
+        let mut headers = HeaderMap::new();
+        headers.append("content-type", HeaderValue::from_static("application/octet-stream"));
+        headers.append("link", HeaderValue::from_static("<a>"));
+        headers.append("link", HeaderValue::from_static("<b>"));
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", HeaderValue::from_static("0"));
+        let body: Vec<u8> = (0..=255u8).cycle().take(70_000).collect();
+        let c = Completion::Response(StoredResponse {
+            status: StatusCode::CREATED,
+            headers,
+            body: Bytes::from(body),
+            trailers: Some(trailers),
+        });
+        assert_eq!(Completion::decode(Bytes::from(c.encode())).unwrap(), c);
+        let t = Completion::Tombstone {
+            status: StatusCode::OK,
+        };
+        assert_eq!(Completion::decode(Bytes::from(t.encode())).unwrap(), t);
+    }
+
+    #[test]
+    fn truncated_or_unknown_encodings_are_errors_not_panics() {
+        let c = Completion::Response(StoredResponse {
+            status: StatusCode::OK,
+            headers: HeaderMap::new(),
+            body: Bytes::from_static(b"hello"),
+            trailers: None,
+        });
+        let bytes = c.encode();
+        for cut in 0..bytes.len() {
+            assert!(Completion::decode(Bytes::copy_from_slice(&bytes[..cut])).is_err());
+        }
+        let mut v2 = bytes.clone();
+        v2[0] = 2;
+        assert!(Completion::decode(Bytes::from(v2)).is_err());
+    }
+
+    #[test]
+    fn record_ids_separate_scopes_and_length_prefix_parts() {
+        assert_ne!(RecordId::new(Some("ab"), "c"), RecordId::new(Some("a"), "bc"));
+        assert_ne!(RecordId::new(None, "k"), RecordId::new(Some(""), "k"));
+        assert_eq!(RecordId::new(Some("t"), "k"), RecordId::new(Some("t"), "k"));
+    }
+
+    #[test]
+    fn tokens_of_the_same_generation_differ() {
+        assert_ne!(Token::new(1), Token::new(1));
+        assert_eq!(Token::new(7).generation(), 7);
+    }
+}

@@ -1,0 +1,306 @@
+//! The store contract, and the stores that ship with the crate.
+//!
+//! A store keeps one [`Record`] per [`RecordId`] and answers five operations. Each must be
+//! one atomic operation on the backend (one round trip for a networked store):
+//!
+//! | operation | does |
+//! |---|---|
+//! | [`claim`](IdempotencyStore::claim) | absent key: create an in-progress record and answer [`ClaimOutcome::Claimed`]; in progress with a lapsed lease and the **same** fingerprint: take over with generation + 1; otherwise answer [`ClaimOutcome::Existing`] with the record |
+//! | [`extend`](IdempotencyStore::extend) | renew the lease of the token's claim |
+//! | [`complete`](IdempotencyStore::complete) | store the answer and start the retention TTL |
+//! | [`release`](IdempotencyStore::release) | delete the in-progress record, so a retry runs again |
+//! | [`get`](IdempotencyStore::get) | read a record (wait mode, operators) |
+//!
+//! # Guarantees every store gives
+//!
+//! The conformance suite in `tests/conformance` checks each of these against every store.
+//!
+//! 1. Among any number of concurrent claims of an absent key, exactly one is `Claimed`.
+//! 2. A claim of an in-progress record whose lease has lapsed, with the same fingerprint,
+//!    takes over with a strictly greater generation; the old token is fenced from then on.
+//! 3. `complete`, `extend` and `release` with a stale token change nothing and fail with
+//!    [`StoreErrorKind::Fenced`].
+//! 4. A completed record replays byte-exactly: status, headers, body, trailers.
+//! 5. Past its TTL a record is absent; before it, a completed record is never lost except by
+//!    an explicit delete. A full store refuses new claims ([`StoreErrorKind::Full`]) and never
+//!    evicts a live record.
+//! 6. One clock per store: the backend's own (Redis `TIME`, Postgres `now()`), or a monotonic
+//!    clock in process. The application's wall clock is never used.
+//! 7. A call whose outcome is unknown (a timeout, a lost reply) is resolved by reading back
+//!    before answering; a store never reports `Claimed` without knowing it holds the claim.
+//! 8. Different record ids never see each other (scopes are part of the id).
+//!
+//! # Implementing a custom store
+//!
+//! The claim has no default body: use the backend's own atomic primitive (a Lua script, an
+//! `INSERT … ON CONFLICT`, a conditional put). This toy store shows the shape; it keeps
+//! everything under one lock and never expires anything.
+//!
+//! ```
+//! use std::{collections::HashMap, sync::Mutex, time::Duration};
+//! use async_trait::async_trait;
+//! use tower_idempotency::store::{
+//!     Claim, ClaimOutcome, IdempotencyStore, StoreError, StoreErrorKind,
+//! };
+//! use tower_idempotency::{Completion, Fingerprint, Record, RecordId, RecordState, Token};
+//!
+//! #[derive(Default)]
+//! struct ToyStore(Mutex<HashMap<RecordId, (Token, Record)>>);
+//!
+//! #[async_trait]
+//! impl IdempotencyStore for ToyStore {
+//!     async fn claim(&self, id: &RecordId, fp: &Fingerprint, lease: Duration, _ttl: Duration)
+//!         -> Result<ClaimOutcome, StoreError>
+//!     {
+//!         let mut map = self.0.lock().unwrap();
+//!         if let Some((_, record)) = map.get(id) {
+//!             return Ok(ClaimOutcome::Existing(record.clone()));
+//!         }
+//!         let token = Token::new(1);
+//!         let record = Record {
+//!             fingerprint: *fp,
+//!             generation: 1,
+//!             state: RecordState::InProgress { lease_remaining: lease },
+//!         };
+//!         map.insert(*id, (token, record));
+//!         Ok(ClaimOutcome::Claimed(Claim { token, takeover: false }))
+//!     }
+//!
+//!     async fn extend(&self, id: &RecordId, token: &Token, _lease: Duration) -> Result<(), StoreError> {
+//!         match self.0.lock().unwrap().get(id) {
+//!             Some((held, _)) if held == token => Ok(()),
+//!             _ => Err(StoreError::new(StoreErrorKind::Fenced)),
+//!         }
+//!     }
+//!
+//!     async fn complete(&self, id: &RecordId, token: &Token, done: &Completion, _ttl: Duration)
+//!         -> Result<(), StoreError>
+//!     {
+//!         match self.0.lock().unwrap().get_mut(id) {
+//!             Some((held, record)) if held == token => {
+//!                 record.state = RecordState::Completed(done.clone());
+//!                 Ok(())
+//!             }
+//!             _ => Err(StoreError::new(StoreErrorKind::Fenced)),
+//!         }
+//!     }
+//!
+//!     async fn release(&self, id: &RecordId, token: &Token) -> Result<(), StoreError> {
+//!         let mut map = self.0.lock().unwrap();
+//!         match map.get(id) {
+//!             Some((held, _)) if held == token => {
+//!                 map.remove(id);
+//!                 Ok(())
+//!             }
+//!             _ => Err(StoreError::new(StoreErrorKind::Fenced)),
+//!         }
+//!     }
+//!
+//!     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+//!         Ok(self.0.lock().unwrap().get(id).map(|(_, r)| r.clone()))
+//!     }
+//! }
+//!
+//! let layer = tower_idempotency::IdempotencyLayer::new(ToyStore::default());
+//! # drop(layer);
+//! ```
+
+use std::error::Error as StdError;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::record::{Completion, Fingerprint, Record, RecordId, Token};
+
+pub mod memory;
+
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+pub mod redis;
+
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub mod postgres;
+
+pub use memory::MemoryStore;
+
+/// What [`IdempotencyStore::claim`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClaimOutcome {
+    /// This caller holds the key now and must run the work, then complete or release.
+    Claimed(Claim),
+    /// Someone else's record: completed, or in progress (its lease may have lapsed when the
+    /// fingerprint differs, since only the same request may take over).
+    Existing(Record),
+}
+
+/// A successful claim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Claim {
+    /// Fences every later write of this claim.
+    pub token: Token,
+    /// `true` when this claim took over an in-progress record whose lease had lapsed.
+    pub takeover: bool,
+}
+
+/// The kind of a [`StoreError`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum StoreErrorKind {
+    /// The token is stale: the lease lapsed and another claim took over, or the record was
+    /// released or expired. Nothing was written.
+    Fenced,
+    /// The store is full and refuses new claims. Nothing was evicted.
+    Full,
+    /// The backend could not be reached or refused the operation.
+    Unavailable,
+    /// The call timed out and its outcome could not be read back.
+    Unknown,
+    /// Stored bytes could not be decoded.
+    Corrupt,
+    /// Anything else, see the source.
+    Other,
+}
+
+/// An error from a store, with its kind and the backend error that caused it.
+pub struct StoreError {
+    kind: StoreErrorKind,
+    source: Option<Box<dyn StdError + Send + Sync + 'static>>,
+}
+
+impl StoreError {
+    /// An error of `kind` with no underlying cause.
+    pub fn new(kind: StoreErrorKind) -> Self {
+        Self { kind, source: None }
+    }
+
+    /// An error of `kind` caused by `source`; the source chain is kept.
+    pub fn with_source(
+        kind: StoreErrorKind,
+        source: impl Into<Box<dyn StdError + Send + Sync + 'static>>,
+    ) -> Self {
+        Self {
+            kind,
+            source: Some(source.into()),
+        }
+    }
+
+    /// The kind.
+    pub fn kind(&self) -> StoreErrorKind {
+        self.kind
+    }
+
+    /// `true` for [`StoreErrorKind::Fenced`].
+    pub fn is_fenced(&self) -> bool {
+        self.kind == StoreErrorKind::Fenced
+    }
+}
+
+impl fmt::Debug for StoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StoreError")
+            .field("kind", &self.kind)
+            .field("source", &self.source)
+            .finish()
+    }
+}
+
+impl fmt::Display for StoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let what = match self.kind {
+            StoreErrorKind::Fenced => "idempotency claim is fenced: a newer claim holds the key",
+            StoreErrorKind::Full => "idempotency store is full",
+            StoreErrorKind::Unavailable => "idempotency store is unavailable",
+            StoreErrorKind::Unknown => "idempotency store call timed out with an unknown outcome",
+            StoreErrorKind::Corrupt => "idempotency record is corrupt",
+            StoreErrorKind::Other => "idempotency store error",
+        };
+        f.write_str(what)
+    }
+}
+
+impl StdError for StoreError {
+    fn source(&self) -> Option<&(dyn StdError + 'static)> {
+        self.source
+            .as_deref()
+            .map(|e| e as &(dyn StdError + 'static))
+    }
+}
+
+/// Where idempotency records live. See the [module docs](self) for the contract.
+///
+/// Object-safe: `Arc<dyn IdempotencyStore>` is a store too.
+#[async_trait]
+pub trait IdempotencyStore: Send + Sync + 'static {
+    /// Atomically claims `id` for a request with `fingerprint`, or returns the existing record.
+    ///
+    /// A new or taken-over record holds a lease of `lease` and is kept at least `ttl`.
+    async fn claim(
+        &self,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<ClaimOutcome, StoreError>;
+
+    /// Renews the lease of `token`'s claim to `lease` from now.
+    async fn extend(&self, id: &RecordId, token: &Token, lease: Duration)
+        -> Result<(), StoreError>;
+
+    /// Records the answer of `token`'s claim and keeps it for `ttl` from now.
+    async fn complete(
+        &self,
+        id: &RecordId,
+        token: &Token,
+        completion: &Completion,
+        ttl: Duration,
+    ) -> Result<(), StoreError>;
+
+    /// Deletes `token`'s in-progress record, so the next claim runs the work again.
+    async fn release(&self, id: &RecordId, token: &Token) -> Result<(), StoreError>;
+
+    /// Reads the record, if any. A record past its TTL is absent.
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError>;
+}
+
+#[async_trait]
+impl<T: IdempotencyStore + ?Sized> IdempotencyStore for Arc<T> {
+    async fn claim(
+        &self,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<ClaimOutcome, StoreError> {
+        (**self).claim(id, fingerprint, lease, ttl).await
+    }
+
+    async fn extend(
+        &self,
+        id: &RecordId,
+        token: &Token,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
+        (**self).extend(id, token, lease).await
+    }
+
+    async fn complete(
+        &self,
+        id: &RecordId,
+        token: &Token,
+        completion: &Completion,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        (**self).complete(id, token, completion, ttl).await
+    }
+
+    async fn release(&self, id: &RecordId, token: &Token) -> Result<(), StoreError> {
+        (**self).release(id, token).await
+    }
+
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        (**self).get(id).await
+    }
+}
