@@ -342,7 +342,10 @@ mod tests {
     #[test]
     fn completion_round_trips_binary_body_headers_and_trailers() {
         let mut headers = HeaderMap::new();
-        headers.append("content-type", HeaderValue::from_static("application/octet-stream"));
+        headers.append(
+            "content-type",
+            HeaderValue::from_static("application/octet-stream"),
+        );
         headers.append("link", HeaderValue::from_static("<a>"));
         headers.append("link", HeaderValue::from_static("<b>"));
         let mut trailers = HeaderMap::new();
@@ -380,7 +383,10 @@ mod tests {
 
     #[test]
     fn record_ids_separate_scopes_and_length_prefix_parts() {
-        assert_ne!(RecordId::new(Some("ab"), "c"), RecordId::new(Some("a"), "bc"));
+        assert_ne!(
+            RecordId::new(Some("ab"), "c"),
+            RecordId::new(Some("a"), "bc")
+        );
         assert_ne!(RecordId::new(None, "k"), RecordId::new(Some(""), "k"));
         assert_eq!(RecordId::new(Some("t"), "k"), RecordId::new(Some("t"), "k"));
     }

@@ -267,9 +267,7 @@ fn completion_size(c: &Completion) -> usize {
         Completion::Tombstone { .. } => 0,
         Completion::Response(r) => {
             let headers = |h: &http::HeaderMap| -> usize {
-                h.iter()
-                    .map(|(n, v)| n.as_str().len() + v.len() + 16)
-                    .sum()
+                h.iter().map(|(n, v)| n.as_str().len() + v.len() + 16).sum()
             };
             r.body.len() + headers(&r.headers) + r.trailers.as_ref().map_or(0, headers)
         }

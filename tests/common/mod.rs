@@ -8,7 +8,9 @@ pub fn backend_url(var: &str) -> Option<String> {
         Ok(url) if !url.is_empty() => Some(url),
         _ => {
             if std::env::var("IDEMPOTENCY_REQUIRE_BACKENDS").as_deref() == Ok("1") {
-                panic!("{var} is unset but IDEMPOTENCY_REQUIRE_BACKENDS=1: the backend is required");
+                panic!(
+                    "{var} is unset but IDEMPOTENCY_REQUIRE_BACKENDS=1: the backend is required"
+                );
             }
             eprintln!("SKIPPED: {var} is unset, so this backend test did not run");
             None

@@ -63,7 +63,10 @@ async fn claim_token(store: &DynStore, id: &RecordId, f: Fingerprint, lease: Dur
     }
 }
 
-fn assert_fenced<T: std::fmt::Debug>(r: Result<T, tower_idempotency::store::StoreError>, what: &str) {
+fn assert_fenced<T: std::fmt::Debug>(
+    r: Result<T, tower_idempotency::store::StoreError>,
+    what: &str,
+) {
     match r {
         Err(e) if e.kind() == StoreErrorKind::Fenced => {}
         other => panic!("{what}: expected Fenced, got {other:?}"),
@@ -94,7 +97,9 @@ pub async fn concurrent_claims_of_one_key_yield_exactly_one_claimed(store: DynSt
             ClaimOutcome::Existing(r) => {
                 existing += 1;
                 assert_eq!(r.fingerprint, fp(1));
-                assert!(matches!(r.state, RecordState::InProgress { lease_remaining } if lease_remaining > Duration::ZERO));
+                assert!(
+                    matches!(r.state, RecordState::InProgress { lease_remaining } if lease_remaining > Duration::ZERO)
+                );
             }
         }
     }
@@ -126,13 +131,24 @@ pub async fn completed_records_replay_byte_exactly(store: DynStore) {
     for (i, completion) in cases.into_iter().enumerate() {
         let id = unique_id(&format!("replay-{i}"));
         let token = claim_token(&store, &id, fp(2), LEASE).await;
-        store.complete(&id, &token, &completion, TTL).await.expect("complete");
+        store
+            .complete(&id, &token, &completion, TTL)
+            .await
+            .expect("complete");
         let got = store.get(&id).await.expect("get").expect("present");
-        assert_eq!(got.state, RecordState::Completed(completion.clone()), "case {i} via get");
+        assert_eq!(
+            got.state,
+            RecordState::Completed(completion.clone()),
+            "case {i} via get"
+        );
         assert_eq!(got.fingerprint, fp(2));
         match store.claim(&id, &fp(2), LEASE, TTL).await.expect("claim") {
             ClaimOutcome::Existing(r) => {
-                assert_eq!(r.state, RecordState::Completed(completion), "case {i} via claim")
+                assert_eq!(
+                    r.state,
+                    RecordState::Completed(completion),
+                    "case {i} via claim"
+                )
             }
             other => panic!("case {i}: expected Existing, got {other:?}"),
         }
@@ -149,7 +165,10 @@ pub async fn different_fingerprint_sees_the_existing_record(store: DynStore) {
         }
         other => panic!("expected Existing, got {other:?}"),
     }
-    store.complete(&id, &token, &response(200, "ok"), TTL).await.unwrap();
+    store
+        .complete(&id, &token, &response(200, "ok"), TTL)
+        .await
+        .unwrap();
     match store.claim(&id, &fp(4), LEASE, TTL).await.expect("claim") {
         ClaimOutcome::Existing(r) => {
             assert_eq!(r.fingerprint, fp(3));
@@ -165,7 +184,9 @@ pub async fn lapsed_lease_is_taken_over_with_a_greater_generation(store: DynStor
     let old = claim_token(&store, &id, fp(5), short).await;
     match store.claim(&id, &fp(5), LEASE, TTL).await.unwrap() {
         ClaimOutcome::Existing(r) => {
-            assert!(matches!(r.state, RecordState::InProgress { lease_remaining } if lease_remaining > Duration::ZERO))
+            assert!(
+                matches!(r.state, RecordState::InProgress { lease_remaining } if lease_remaining > Duration::ZERO)
+            )
         }
         other => panic!("live lease must not be taken over: {other:?}"),
     }
@@ -174,7 +195,9 @@ pub async fn lapsed_lease_is_taken_over_with_a_greater_generation(store: DynStor
     match store.claim(&id, &fp(6), LEASE, TTL).await.unwrap() {
         ClaimOutcome::Existing(r) => {
             assert_eq!(r.fingerprint, fp(5));
-            assert!(matches!(r.state, RecordState::InProgress { lease_remaining } if lease_remaining == Duration::ZERO));
+            assert!(
+                matches!(r.state, RecordState::InProgress { lease_remaining } if lease_remaining == Duration::ZERO)
+            );
         }
         other => panic!("a different fingerprint must not take over: {other:?}"),
     }
@@ -186,13 +209,22 @@ pub async fn lapsed_lease_is_taken_over_with_a_greater_generation(store: DynStor
         }
         other => panic!("expected a takeover, got {other:?}"),
     };
-    assert_fenced(store.extend(&id, &old, LEASE).await, "extend with old token");
-    assert_fenced(store.complete(&id, &old, &response(200, "old"), TTL).await, "complete with old token");
+    assert_fenced(
+        store.extend(&id, &old, LEASE).await,
+        "extend with old token",
+    );
+    assert_fenced(
+        store.complete(&id, &old, &response(200, "old"), TTL).await,
+        "complete with old token",
+    );
     assert_fenced(store.release(&id, &old).await, "release with old token");
     let rec = store.get(&id).await.unwrap().unwrap();
     assert_eq!(rec.generation, new.generation());
     assert!(matches!(rec.state, RecordState::InProgress { .. }));
-    store.complete(&id, &new, &response(201, "new"), TTL).await.unwrap();
+    store
+        .complete(&id, &new, &response(201, "new"), TTL)
+        .await
+        .unwrap();
     assert_eq!(
         store.get(&id).await.unwrap().unwrap().state,
         RecordState::Completed(response(201, "new"))
@@ -205,7 +237,10 @@ pub async fn stale_tokens_change_nothing(store: DynStore) {
     // Same generation, another nonce: a forged or foreign token.
     let forged = Token::new(token.generation());
     let before = store.get(&id).await.unwrap().unwrap();
-    assert_fenced(store.complete(&id, &forged, &response(200, "x"), TTL).await, "complete");
+    assert_fenced(
+        store.complete(&id, &forged, &response(200, "x"), TTL).await,
+        "complete",
+    );
     assert_fenced(store.extend(&id, &forged, LEASE).await, "extend");
     assert_fenced(store.release(&id, &forged).await, "release");
     let after = store.get(&id).await.unwrap().unwrap();
@@ -216,13 +251,29 @@ pub async fn stale_tokens_change_nothing(store: DynStore) {
     // A holder that released, then a new claim of generation 1: the old token stays fenced.
     store.release(&id, &token).await.unwrap();
     let again = claim_token(&store, &id, fp(7), LEASE).await;
-    assert_fenced(store.complete(&id, &token, &response(200, "late"), TTL).await, "late complete");
+    assert_fenced(
+        store
+            .complete(&id, &token, &response(200, "late"), TTL)
+            .await,
+        "late complete",
+    );
     assert_fenced(store.release(&id, &token).await, "late release");
-    store.complete(&id, &again, &response(200, "fresh"), TTL).await.unwrap();
+    store
+        .complete(&id, &again, &response(200, "fresh"), TTL)
+        .await
+        .unwrap();
     // Completed records cannot be released, extended or completed again.
     assert_fenced(store.release(&id, &again).await, "release after complete");
-    assert_fenced(store.extend(&id, &again, LEASE).await, "extend after complete");
-    assert_fenced(store.complete(&id, &again, &response(500, "twice"), TTL).await, "complete twice");
+    assert_fenced(
+        store.extend(&id, &again, LEASE).await,
+        "extend after complete",
+    );
+    assert_fenced(
+        store
+            .complete(&id, &again, &response(500, "twice"), TTL)
+            .await,
+        "complete twice",
+    );
     assert_eq!(
         store.get(&id).await.unwrap().unwrap().state,
         RecordState::Completed(response(200, "fresh"))
@@ -230,7 +281,12 @@ pub async fn stale_tokens_change_nothing(store: DynStore) {
     // Tokens for a record that never existed.
     let absent = unique_id("absent");
     assert_fenced(store.extend(&absent, &forged, LEASE).await, "extend absent");
-    assert_fenced(store.complete(&absent, &forged, &response(200, "x"), TTL).await, "complete absent");
+    assert_fenced(
+        store
+            .complete(&absent, &forged, &response(200, "x"), TTL)
+            .await,
+        "complete absent",
+    );
     assert_fenced(store.release(&absent, &forged).await, "release absent");
     assert!(store.get(&absent).await.unwrap().is_none());
 }
@@ -256,7 +312,9 @@ pub async fn extend_keeps_the_lease_alive(store: DynStore) {
     // 1.2 s after the claim, 0.6 s after the renewal: still held.
     match store.claim(&id, &fp(10), lease, TTL).await.unwrap() {
         ClaimOutcome::Existing(r) => {
-            assert!(matches!(r.state, RecordState::InProgress { lease_remaining } if lease_remaining > Duration::ZERO))
+            assert!(
+                matches!(r.state, RecordState::InProgress { lease_remaining } if lease_remaining > Duration::ZERO)
+            )
         }
         other => panic!("renewed lease must hold, got {other:?}"),
     }
@@ -266,10 +324,16 @@ pub async fn ttl_expiry_makes_the_key_new(store: DynStore) {
     let id = unique_id("ttl");
     let token = claim_token(&store, &id, fp(11), LEASE).await;
     let ttl = Duration::from_millis(1500);
-    store.complete(&id, &token, &response(200, "kept"), ttl).await.unwrap();
+    store
+        .complete(&id, &token, &response(200, "kept"), ttl)
+        .await
+        .unwrap();
     assert!(store.get(&id).await.unwrap().is_some());
     tokio::time::sleep(ttl + Duration::from_millis(500)).await;
-    assert!(store.get(&id).await.unwrap().is_none(), "expired record must be absent");
+    assert!(
+        store.get(&id).await.unwrap().is_none(),
+        "expired record must be absent"
+    );
     match store.claim(&id, &fp(12), LEASE, TTL).await.unwrap() {
         ClaimOutcome::Claimed(c) => assert!(!c.takeover),
         other => panic!("expired key must be new, got {other:?}"),
@@ -280,10 +344,15 @@ pub async fn completed_records_are_not_taken_over_after_the_lease(store: DynStor
     let id = unique_id("kept");
     let short = Duration::from_millis(200);
     let token = claim_token(&store, &id, fp(13), short).await;
-    store.complete(&id, &token, &response(201, "done"), TTL).await.unwrap();
+    store
+        .complete(&id, &token, &response(201, "done"), TTL)
+        .await
+        .unwrap();
     tokio::time::sleep(short + Duration::from_millis(200)).await;
     match store.claim(&id, &fp(13), LEASE, TTL).await.unwrap() {
-        ClaimOutcome::Existing(r) => assert_eq!(r.state, RecordState::Completed(response(201, "done"))),
+        ClaimOutcome::Existing(r) => {
+            assert_eq!(r.state, RecordState::Completed(response(201, "done")))
+        }
         other => panic!("completed record must replay, got {other:?}"),
     }
 }
@@ -296,13 +365,31 @@ pub async fn scopes_are_isolated(store: DynStore) {
     let ta = claim_token(&store, &a, fp(14), LEASE).await;
     let tb = claim_token(&store, &b, fp(15), LEASE).await;
     let tn = claim_token(&store, &none, fp(16), LEASE).await;
-    store.complete(&a, &ta, &response(201, "a"), TTL).await.unwrap();
-    assert!(matches!(store.get(&b).await.unwrap().unwrap().state, RecordState::InProgress { .. }));
-    assert_fenced(store.complete(&b, &ta, &response(201, "a"), TTL).await, "cross-scope token");
-    store.complete(&b, &tb, &response(201, "b"), TTL).await.unwrap();
+    store
+        .complete(&a, &ta, &response(201, "a"), TTL)
+        .await
+        .unwrap();
+    assert!(matches!(
+        store.get(&b).await.unwrap().unwrap().state,
+        RecordState::InProgress { .. }
+    ));
+    assert_fenced(
+        store.complete(&b, &ta, &response(201, "a"), TTL).await,
+        "cross-scope token",
+    );
+    store
+        .complete(&b, &tb, &response(201, "b"), TTL)
+        .await
+        .unwrap();
     store.release(&none, &tn).await.unwrap();
-    assert_eq!(store.get(&a).await.unwrap().unwrap().state, RecordState::Completed(response(201, "a")));
-    assert_eq!(store.get(&b).await.unwrap().unwrap().state, RecordState::Completed(response(201, "b")));
+    assert_eq!(
+        store.get(&a).await.unwrap().unwrap().state,
+        RecordState::Completed(response(201, "a"))
+    );
+    assert_eq!(
+        store.get(&b).await.unwrap().unwrap().state,
+        RecordState::Completed(response(201, "b"))
+    );
     assert!(store.get(&none).await.unwrap().is_none());
 }
 
@@ -317,7 +404,10 @@ pub async fn full_store_refuses_claims_and_keeps_records(store: DynStore) {
         match store.claim(&id, &fp(17), LEASE, TTL).await {
             Ok(ClaimOutcome::Claimed(c)) => {
                 // A completion may itself hit the limit; the claim stays then, and is kept too.
-                let done = store.complete(&id, &c.token, &response(201, body.clone()), TTL).await.is_ok();
+                let done = store
+                    .complete(&id, &c.token, &response(201, body.clone()), TTL)
+                    .await
+                    .is_ok();
                 kept.push((id, done));
             }
             Ok(other) => panic!("fresh id answered {other:?}"),
@@ -328,13 +418,27 @@ pub async fn full_store_refuses_claims_and_keeps_records(store: DynStore) {
         }
     }
     let (refused_id, err) = refused.expect("store never filled up");
-    assert_eq!(err.kind(), StoreErrorKind::Full, "refusal must be Full: {err:?}");
+    assert_eq!(
+        err.kind(),
+        StoreErrorKind::Full,
+        "refusal must be Full: {err:?}"
+    );
     assert!(kept.len() > 1, "store filled before any record was kept");
-    assert!(store.get(&refused_id).await.unwrap().is_none(), "a refused claim must leave nothing");
+    assert!(
+        store.get(&refused_id).await.unwrap().is_none(),
+        "a refused claim must leave nothing"
+    );
     for (id, done) in &kept {
-        let rec = store.get(id).await.unwrap().expect("a live record was evicted");
+        let rec = store
+            .get(id)
+            .await
+            .unwrap()
+            .expect("a live record was evicted");
         if *done {
-            assert_eq!(rec.state, RecordState::Completed(response(201, body.clone())));
+            assert_eq!(
+                rec.state,
+                RecordState::Completed(response(201, body.clone()))
+            );
             match store.claim(id, &fp(17), LEASE, TTL).await.unwrap() {
                 ClaimOutcome::Existing(r) => assert!(matches!(r.state, RecordState::Completed(_))),
                 other => panic!("replay in a full store: {other:?}"),

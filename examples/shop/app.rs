@@ -1,0 +1,174 @@
+//! The shop's router, shared by `main.rs` and the tests.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tower_idempotency::store::IdempotencyStore;
+use tower_idempotency::{IdempotencyLayer, Retention};
+
+/// The shop's settings.
+#[derive(Debug, Clone)]
+pub(crate) struct ShopConfig {
+    /// How long the fake card network takes per charge.
+    pub(crate) card_latency: Duration,
+    /// Lease and retention of idempotency records.
+    pub(crate) retention: Retention,
+}
+
+impl ShopConfig {
+    /// Reads `CARD_LATENCY_MS`, `IDEMPOTENCY_LEASE_MS` and `IDEMPOTENCY_TTL_SECS`.
+    pub(crate) fn from_env() -> Result<Self, Box<dyn std::error::Error>> {
+        let num = |var: &str, default: u64| -> Result<u64, Box<dyn std::error::Error>> {
+            match std::env::var(var) {
+                Ok(v) => v.parse().map_err(|e| format!("{var}={v:?}: {e}").into()),
+                Err(_) => Ok(default),
+            }
+        };
+        Ok(Self {
+            card_latency: Duration::from_millis(num("CARD_LATENCY_MS", 50)?),
+            retention: Retention::new(
+                Duration::from_millis(num("IDEMPOTENCY_LEASE_MS", 30_000)?),
+                Duration::from_secs(num("IDEMPOTENCY_TTL_SECS", 86_400)?),
+            )?,
+        })
+    }
+}
+
+/// The fake card network and the id counters.
+#[derive(Debug)]
+pub(crate) struct Shop {
+    charges: AtomicU64,
+    payments: AtomicU64,
+    orders: AtomicU64,
+    card_latency: Duration,
+}
+
+impl Shop {
+    /// Charges made since start.
+    pub(crate) fn charges(&self) -> u64 {
+        self.charges.load(Ordering::SeqCst)
+    }
+}
+
+/// The shop's API behind the idempotency layer. Returns the router and the shop state.
+pub(crate) fn app(store: Arc<dyn IdempotencyStore>, config: ShopConfig) -> (Router, Arc<Shop>) {
+    let shop = Arc::new(Shop {
+        charges: AtomicU64::new(0),
+        payments: AtomicU64::new(0),
+        orders: AtomicU64::new(0),
+        card_latency: config.card_latency,
+    });
+    let idempotency = IdempotencyLayer::from_arc(store)
+        .with_retention(config.retention)
+        // One key space per API key; callers without one share the anonymous scope.
+        .with_scope(|req| {
+            let key = req.headers.get("x-api-key").and_then(|v| v.to_str().ok());
+            Some(key.map_or_else(|| "anonymous".to_owned(), |k| format!("api-key:{k}")))
+        });
+    let router = Router::new()
+        .route("/v1/payments", post(create_payment))
+        .route("/v1/orders", post(create_order))
+        .route("/v1/charges", get(count_charges))
+        .layer(idempotency)
+        .with_state(shop.clone());
+    (router, shop)
+}
+
+fn bad_request(detail: &str) -> Response {
+    let body = json!({
+        "type": "about:blank",
+        "title": "Bad Request",
+        "status": 400,
+        "detail": detail,
+    });
+    let mut res = (StatusCode::BAD_REQUEST, body.to_string()).into_response();
+    res.headers_mut().insert(
+        header::CONTENT_TYPE,
+        "application/problem+json".parse().unwrap(),
+    );
+    res
+}
+
+#[derive(Deserialize)]
+struct NewPayment {
+    amount: i64,
+    currency: String,
+}
+
+async fn create_payment(State(shop): State<Arc<Shop>>, body: Bytes) -> Response {
+    let Ok(p) = serde_json::from_slice::<NewPayment>(&body) else {
+        return bad_request("body must be {\"amount\": <integer>, \"currency\": \"<3 letters>\"}");
+    };
+    if p.amount <= 0 {
+        return bad_request("amount must be a positive integer in minor units");
+    }
+    if p.currency.len() != 3 || !p.currency.bytes().all(|b| b.is_ascii_alphabetic()) {
+        return bad_request("currency must be 3 letters");
+    }
+    // The card network.
+    tokio::time::sleep(shop.card_latency).await;
+    match p.amount {
+        402 => (
+            StatusCode::PAYMENT_REQUIRED,
+            Json(json!({"error": "card_declined"})),
+        )
+            .into_response(),
+        503 => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"error": "card_network_unavailable"})),
+        )
+            .into_response(),
+        amount => {
+            shop.charges.fetch_add(1, Ordering::SeqCst);
+            let n = shop.payments.fetch_add(1, Ordering::SeqCst) + 1;
+            let payment = json!({
+                "id": format!("pay_{n}"),
+                "amount": amount,
+                "currency": p.currency,
+                "status": "succeeded",
+            });
+            (StatusCode::CREATED, Json(payment)).into_response()
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct NewOrder {
+    items: Vec<Item>,
+}
+
+#[derive(Deserialize)]
+struct Item {
+    sku: String,
+    qty: i64,
+}
+
+async fn create_order(State(shop): State<Arc<Shop>>, body: Bytes) -> Response {
+    let Ok(order) = serde_json::from_slice::<NewOrder>(&body) else {
+        return bad_request("body must be {\"items\": [{\"sku\": \"…\", \"qty\": <integer>}]}");
+    };
+    if order.items.is_empty() || order.items.iter().any(|i| i.qty <= 0 || i.sku.is_empty()) {
+        return bad_request("items must be non-empty, each with a sku and a positive qty");
+    }
+    let n = shop.orders.fetch_add(1, Ordering::SeqCst) + 1;
+    let items: Vec<Value> = order
+        .items
+        .iter()
+        .map(|i| json!({"sku": i.sku, "qty": i.qty}))
+        .collect();
+    let body = json!({"id": format!("ord_{n}"), "items": items, "status": "created"});
+    (StatusCode::CREATED, Json(body)).into_response()
+}
+
+async fn count_charges(State(shop): State<Arc<Shop>>) -> Json<Value> {
+    Json(json!({"count": shop.charges()}))
+}

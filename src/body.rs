@@ -1,0 +1,212 @@
+//! The body types the layer passes on: no boxing, no copies on the pass-through path.
+
+use std::fmt;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::HeaderMap;
+use http_body::{Body, Frame, SizeHint};
+use pin_project_lite::pin_project;
+
+pin_project! {
+    /// The request body the inner service sees: the original body when the request is not
+    /// keyed, or the buffered bytes when it is.
+    pub struct RequestBody<B> {
+        #[pin]
+        kind: RequestKind<B>,
+    }
+}
+
+pin_project! {
+    #[project = RequestKindProj]
+    enum RequestKind<B> {
+        Stream { #[pin] body: B },
+        Buffered { data: Option<Bytes> },
+    }
+}
+
+impl<B> RequestBody<B> {
+    pub(crate) fn stream(body: B) -> Self {
+        Self {
+            kind: RequestKind::Stream { body },
+        }
+    }
+
+    pub(crate) fn buffered(data: Bytes) -> Self {
+        let data = (!data.is_empty()).then_some(data);
+        Self {
+            kind: RequestKind::Buffered { data },
+        }
+    }
+}
+
+impl<B> fmt::Debug for RequestBody<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.kind {
+            RequestKind::Stream { .. } => f.write_str("RequestBody::Stream"),
+            RequestKind::Buffered { data } => f
+                .debug_struct("RequestBody::Buffered")
+                .field("len", &data.as_ref().map_or(0, Bytes::len))
+                .finish(),
+        }
+    }
+}
+
+impl<B: Body<Data = Bytes>> Body for RequestBody<B> {
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        match self.project().kind.project() {
+            RequestKindProj::Stream { body } => body.poll_frame(cx),
+            RequestKindProj::Buffered { data } => {
+                Poll::Ready(data.take().map(|d| Ok(Frame::data(d))))
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.kind {
+            RequestKind::Stream { body } => body.is_end_stream(),
+            RequestKind::Buffered { data } => data.is_none(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.kind {
+            RequestKind::Stream { body } => body.size_hint(),
+            RequestKind::Buffered { data } => {
+                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            }
+        }
+    }
+}
+
+pin_project! {
+    /// The response body the layer answers with: the inner body untouched, a buffered or
+    /// replayed body with its trailers, or a large body whose start was already read.
+    pub struct ResponseBody<B: Body> {
+        #[pin]
+        kind: ResponseKind<B>,
+    }
+}
+
+pin_project! {
+    #[project = ResponseKindProj]
+    enum ResponseKind<B: Body> {
+        Stream { #[pin] body: B },
+        Full { data: Option<Bytes>, trailers: Option<HeaderMap> },
+        Rest { prefix: Option<Bytes>, body: Pin<Box<B>> },
+        Failed { prefix: Option<Bytes>, error: Option<B::Error> },
+    }
+}
+
+impl<B: Body> ResponseBody<B> {
+    pub(crate) fn stream(body: B) -> Self {
+        Self {
+            kind: ResponseKind::Stream { body },
+        }
+    }
+
+    pub(crate) fn full(data: Bytes, trailers: Option<HeaderMap>) -> Self {
+        let data = (!data.is_empty()).then_some(data);
+        Self {
+            kind: ResponseKind::Full { data, trailers },
+        }
+    }
+
+    /// The bytes read so far, then the rest of a body that was partly read.
+    pub(crate) fn rest(prefix: Bytes, body: Pin<Box<B>>) -> Self {
+        Self {
+            kind: ResponseKind::Rest {
+                prefix: Some(prefix),
+                body,
+            },
+        }
+    }
+
+    /// The bytes read so far, then the body's error.
+    pub(crate) fn failed(prefix: Option<Bytes>, error: B::Error) -> Self {
+        Self {
+            kind: ResponseKind::Failed {
+                prefix,
+                error: Some(error),
+            },
+        }
+    }
+}
+
+impl<B: Body> fmt::Debug for ResponseBody<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let name = match &self.kind {
+            ResponseKind::Stream { .. } => "ResponseBody::Stream",
+            ResponseKind::Full { .. } => "ResponseBody::Full",
+            ResponseKind::Rest { .. } => "ResponseBody::Rest",
+            ResponseKind::Failed { .. } => "ResponseBody::Failed",
+        };
+        f.write_str(name)
+    }
+}
+
+impl<B: Body<Data = Bytes>> Body for ResponseBody<B> {
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        match self.project().kind.project() {
+            ResponseKindProj::Stream { body } => body.poll_frame(cx),
+            ResponseKindProj::Rest { prefix, body } => match prefix.take() {
+                Some(p) => Poll::Ready(Some(Ok(Frame::data(p)))),
+                None => body.as_mut().poll_frame(cx),
+            },
+            ResponseKindProj::Full { data, trailers } => {
+                if let Some(d) = data.take() {
+                    return Poll::Ready(Some(Ok(Frame::data(d))));
+                }
+                Poll::Ready(trailers.take().map(|t| Ok(Frame::trailers(t))))
+            }
+            ResponseKindProj::Failed { prefix, error } => {
+                if let Some(p) = prefix.take() {
+                    return Poll::Ready(Some(Ok(Frame::data(p))));
+                }
+                Poll::Ready(error.take().map(Err))
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.kind {
+            ResponseKind::Stream { body } => body.is_end_stream(),
+            ResponseKind::Rest { prefix, body } => prefix.is_none() && body.is_end_stream(),
+            ResponseKind::Full { data, trailers } => data.is_none() && trailers.is_none(),
+            ResponseKind::Failed { prefix, error } => prefix.is_none() && error.is_none(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.kind {
+            ResponseKind::Stream { body } => body.size_hint(),
+            ResponseKind::Rest { prefix, body } => {
+                let extra = prefix.as_ref().map_or(0, |p| p.len() as u64);
+                let inner = body.size_hint();
+                let mut hint = SizeHint::new();
+                hint.set_lower(inner.lower() + extra);
+                if let Some(upper) = inner.upper() {
+                    hint.set_upper(upper + extra);
+                }
+                hint
+            }
+            ResponseKind::Full { data, .. } => {
+                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            }
+            ResponseKind::Failed { .. } => SizeHint::default(),
+        }
+    }
+}

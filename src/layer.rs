@@ -1,0 +1,284 @@
+//! [`IdempotencyLayer`]: the configuration.
+
+use std::fmt;
+use std::num::NonZeroUsize;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{request, HeaderName, Method, Response};
+use tower_layer::Layer;
+
+use crate::error::{ConfigError, IdempotencyError};
+use crate::fingerprint::{FingerprintConfig, JsonPointer};
+use crate::policy::{DefaultRecordPolicy, RecordPolicy};
+use crate::response::default_recorded_headers;
+use crate::service::Idempotency;
+use crate::store::IdempotencyStore;
+
+/// The shortest lease: renewals run every `lease / 3`, and below ~100 ms a store round trip
+/// under load would eat the whole interval.
+pub const MIN_LEASE: Duration = Duration::from_millis(100);
+
+/// How long a claim is held and how long an answer is kept.
+///
+/// - `lease` (default 30 s): how long a claim holds the key without news from its holder.
+///   The holder renews it every `lease / 3`, so two renewals in a row can fail before it
+///   lapses. A holder that crashes blocks retries (409) for at most one lease; then a retry
+///   with the same request takes over.
+/// - `ttl` (default 24 h): how long a completed answer is kept, counted from completion.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Retention {
+    lease: Duration,
+    ttl: Duration,
+}
+
+impl Retention {
+    /// Validates `lease >= MIN_LEASE` and `ttl >= lease`.
+    pub fn new(lease: Duration, ttl: Duration) -> Result<Self, ConfigError> {
+        if lease < MIN_LEASE {
+            return Err(ConfigError::new(format!(
+                "lease {lease:?} is shorter than the minimum {MIN_LEASE:?}"
+            )));
+        }
+        if ttl < lease {
+            return Err(ConfigError::new(format!(
+                "ttl {ttl:?} is shorter than the lease {lease:?}"
+            )));
+        }
+        Ok(Self { lease, ttl })
+    }
+
+    /// The lease.
+    pub fn lease(&self) -> Duration {
+        self.lease
+    }
+
+    /// The retention TTL.
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+}
+
+impl Default for Retention {
+    fn default() -> Self {
+        Self {
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(24 * 60 * 60),
+        }
+    }
+}
+
+pub(crate) type ScopeFn = Arc<dyn Fn(&request::Parts) -> Option<String> + Send + Sync>;
+pub(crate) type Renderer = Arc<dyn Fn(&IdempotencyError) -> Response<Bytes> + Send + Sync>;
+
+#[derive(Clone)]
+pub(crate) struct Config {
+    pub(crate) store: Arc<dyn IdempotencyStore>,
+    pub(crate) header: HeaderName,
+    pub(crate) methods: Vec<Method>,
+    pub(crate) key_required: bool,
+    pub(crate) scope: Option<ScopeFn>,
+    pub(crate) max_request_body: usize,
+    pub(crate) max_response_body: usize,
+    pub(crate) retention: Retention,
+    pub(crate) fingerprint: FingerprintConfig,
+    pub(crate) recorded_headers: Vec<HeaderName>,
+    pub(crate) policy: Arc<dyn RecordPolicy>,
+    pub(crate) fail_open: bool,
+    pub(crate) wait: Option<Duration>,
+    pub(crate) renderer: Option<Renderer>,
+    pub(crate) grpc_passthrough: Vec<String>,
+}
+
+/// Makes keyed requests safe to retry: the inner service runs at most once per
+/// (scope, key), and retries get the first answer.
+///
+/// See the [crate docs](crate) for the flow and an example.
+#[derive(Clone)]
+#[must_use]
+pub struct IdempotencyLayer {
+    pub(crate) config: Arc<Config>,
+}
+
+impl fmt::Debug for IdempotencyLayer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let c = &self.config;
+        f.debug_struct("IdempotencyLayer")
+            .field("header", &c.header)
+            .field("methods", &c.methods)
+            .field("key_required", &c.key_required)
+            .field("scoped", &c.scope.is_some())
+            .field("max_request_body", &c.max_request_body)
+            .field("max_response_body", &c.max_response_body)
+            .field("retention", &c.retention)
+            .field("fail_open", &c.fail_open)
+            .field("wait", &c.wait)
+            .finish_non_exhaustive()
+    }
+}
+
+impl IdempotencyLayer {
+    /// A layer over `store` with the defaults: `Idempotency-Key` required on `POST` and
+    /// `PATCH`, unscoped, 1 MiB request and response limits, a 30 s lease, 24 h retention,
+    /// fail closed, answer 409 while in progress.
+    pub fn new(store: impl IdempotencyStore) -> Self {
+        Self::from_arc(Arc::new(store))
+    }
+
+    /// Like [`new`](Self::new), for a store already shared.
+    pub fn from_arc(store: Arc<dyn IdempotencyStore>) -> Self {
+        Self {
+            config: Arc::new(Config {
+                store,
+                header: HeaderName::from_static("idempotency-key"),
+                methods: vec![Method::POST, Method::PATCH],
+                key_required: true,
+                scope: None,
+                max_request_body: 1 << 20,
+                max_response_body: 1 << 20,
+                retention: Retention::default(),
+                fingerprint: FingerprintConfig::default(),
+                recorded_headers: default_recorded_headers(),
+                policy: Arc::new(DefaultRecordPolicy),
+                fail_open: false,
+                wait: None,
+                renderer: None,
+                grpc_passthrough: Vec::new(),
+            }),
+        }
+    }
+
+    fn edit(mut self, f: impl FnOnce(&mut Config)) -> Self {
+        f(Arc::make_mut(&mut self.config));
+        self
+    }
+
+    /// The header that carries the key (default `Idempotency-Key`).
+    pub fn with_header_name(self, name: HeaderName) -> Self {
+        self.edit(|c| c.header = name)
+    }
+
+    /// The methods the layer protects (default `POST`, `PATCH`). Others pass through untouched.
+    pub fn with_methods(self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.edit(|c| c.methods = methods.into_iter().collect())
+    }
+
+    /// Whether a protected request without a key is refused with 400 (default `true`).
+    /// When `false`, such a request passes through unprotected.
+    pub fn with_key_required(self, required: bool) -> Self {
+        self.edit(|c| c.key_required = required)
+    }
+
+    /// Scopes keys, so that the same key from two scopes names two records.
+    ///
+    /// `scope` reads the request head: a tenant or principal an auth layer put into the
+    /// extensions, or a header. Without a scope function every caller shares one key space:
+    /// one client's key can then collide with, and replay, another's answer.
+    ///
+    /// When `scope` returns `None` the layer answers 500 ([`ErrorKind::ScopeMissing`](crate::ErrorKind::ScopeMissing))
+    /// and runs nothing: that means the layer runs before the one that sets the scope.
+    pub fn with_scope<F>(self, scope: F) -> Self
+    where
+        F: Fn(&request::Parts) -> Option<String> + Send + Sync + 'static,
+    {
+        self.edit(|c| c.scope = Some(Arc::new(scope)))
+    }
+
+    /// The largest request body buffered for fingerprinting (default 1 MiB); larger: 413.
+    pub fn with_max_request_body(self, limit: NonZeroUsize) -> Self {
+        self.edit(|c| c.max_request_body = limit.get())
+    }
+
+    /// The largest response body recorded (default 1 MiB). A larger one streams to the client
+    /// and is recorded as a tombstone: retries get 410, never a second execution.
+    pub fn with_max_response_body(self, limit: NonZeroUsize) -> Self {
+        self.edit(|c| c.max_response_body = limit.get())
+    }
+
+    /// The lease and the retention TTL.
+    pub fn with_retention(self, retention: Retention) -> Self {
+        self.edit(|c| c.retention = retention)
+    }
+
+    /// Leaves a JSON field out of the fingerprint (a client timestamp, a trace id).
+    pub fn with_fingerprint_excluded_field(self, pointer: JsonPointer) -> Self {
+        self.edit(|c| c.fingerprint.excluded.push(pointer))
+    }
+
+    /// Adds a request header to the fingerprint.
+    pub fn with_fingerprint_header(self, name: HeaderName) -> Self {
+        self.edit(|c| c.fingerprint.headers.push(name))
+    }
+
+    /// Records and replays `name` too, beyond the default allow-list.
+    pub fn with_recorded_header(self, name: HeaderName) -> Self {
+        self.edit(|c| {
+            if !c.recorded_headers.contains(&name) {
+                c.recorded_headers.push(name);
+            }
+        })
+    }
+
+    /// Replaces the default [`RecordPolicy`]. A handler's [`RecordDecision`](crate::RecordDecision)
+    /// extension and `Cache-Control: no-store` still come first.
+    pub fn with_record_policy(self, policy: impl RecordPolicy) -> Self {
+        self.edit(|c| c.policy = Arc::new(policy))
+    }
+
+    /// When the store fails, run the request unprotected instead of answering 503.
+    ///
+    /// A duplicate can then run twice: only for endpoints where that is safer than refusing.
+    pub fn with_fail_open(self, fail_open: bool) -> Self {
+        self.edit(|c| c.fail_open = fail_open)
+    }
+
+    /// While the first attempt runs, make a retry wait up to `max` for its answer, then
+    /// replay it. Past `max` the retry gets 409 as without waiting.
+    pub fn with_wait(self, max: Duration) -> Self {
+        self.edit(|c| c.wait = Some(max))
+    }
+
+    /// Renders the layer's errors yourself. The typed [`IdempotencyError`] also goes into the
+    /// response extensions, whichever renderer is used.
+    pub fn with_error_renderer<F>(self, render: F) -> Self
+    where
+        F: Fn(&IdempotencyError) -> Response<Bytes> + Send + Sync + 'static,
+    {
+        self.edit(|c| c.renderer = Some(Arc::new(render)))
+    }
+
+    /// Lets a gRPC method path (`/package.Service/Method`) pass through unprotected.
+    ///
+    /// Every gRPC request needs a key by default, and its request stream is buffered whole
+    /// before the handler runs. The layer cannot see whether a method streams, so list the
+    /// bidirectional (and any long client-streaming) methods here.
+    pub fn with_grpc_passthrough(self, path: impl Into<String>) -> Self {
+        let path = path.into();
+        self.edit(|c| c.grpc_passthrough.push(path))
+    }
+}
+
+impl<S> Layer<S> for IdempotencyLayer {
+    type Service = Idempotency<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Idempotency::new(inner, self.config.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retention_refuses_tiny_leases_and_ttls_shorter_than_the_lease() {
+        assert!(Retention::new(Duration::from_millis(99), Duration::from_secs(1)).is_err());
+        assert!(Retention::new(Duration::from_secs(30), Duration::from_secs(29)).is_err());
+        let r = Retention::new(Duration::from_secs(30), Duration::from_secs(30)).unwrap();
+        assert_eq!(
+            (r.lease(), r.ttl()),
+            (Duration::from_secs(30), Duration::from_secs(30))
+        );
+    }
+}
