@@ -9,8 +9,8 @@
 //! - anything else: the raw bytes.
 //!
 //! Canonicalising must never make two different requests equal. A JSON body with duplicate
-//! keys, a lone surrogate, an integer beyond 2^53, a number whose literal is not exactly the
-//! double it parses to, invalid UTF-8 or syntax, or nesting deeper than [`MAX_DEPTH`] is
+//! keys, a lone surrogate, a number beyond 2^53 in magnitude, a number whose literal is not
+//! exactly the double it parses to, invalid UTF-8 or syntax, or nesting deeper than [`MAX_DEPTH`] is
 //! hashed as raw bytes instead; so is a form body with a bad percent-escape.
 //!
 //! The JSON reader is hand-written: `serde_json` keeps the last of duplicate keys and, without
@@ -27,7 +27,8 @@ use crate::record::Fingerprint;
 /// Deeper JSON is hashed raw: bounds recursion on hostile input.
 pub(crate) const MAX_DEPTH: usize = 128;
 /// 2^53: integers beyond it do not survive a round trip through an IEEE double.
-const MAX_SAFE: f64 = 9_007_199_254_740_992.0;
+const MAX_SAFE_INTEGER: u128 = 1 << 53;
+const MAX_SAFE: f64 = MAX_SAFE_INTEGER as f64;
 
 /// What the fingerprint covers beyond method, path and body.
 #[derive(Debug, Clone, Default)]
@@ -430,16 +431,15 @@ impl Parser<'_> {
             self.digits();
         }
         let literal = std::str::from_utf8(&self.s[start..self.i]).ok()?;
-        let value: f64 = literal.parse().ok()?;
-        if !value.is_finite() {
-            return None;
-        }
-        if value.fract() == 0.0 && value.abs() > MAX_SAFE {
-            return None;
-        }
         if integer {
-            // Exact for |n| <= 2^53.
-            return Some(format!("{}", value as i64));
+            // Judge integers on their digits: 2^53 + 1 parses to the double 2^53 and
+            // would merge with it. More digits than an i128 holds is beyond 2^53 anyway.
+            let n: i128 = literal.parse().ok()?;
+            return (n.unsigned_abs() <= MAX_SAFE_INTEGER).then(|| n.to_string());
+        }
+        let value: f64 = literal.parse().ok()?;
+        if !value.is_finite() || (value.fract() == 0.0 && value.abs() > MAX_SAFE) {
+            return None;
         }
         let mut buf = ryu_js::Buffer::new();
         let es = buf.format_finite(value);
@@ -616,8 +616,8 @@ mod tests {
     fn rfc8785_numbers_strings_and_key_order() {
         // Numbers: ECMAScript forms.
         assert_eq!(
-            jcs("[1E2, 1.50, -0, 0.000001, 1e-7, 1e21, 4.5e-1]").unwrap(),
-            "[100,1.5,0,0.000001,1e-7,1e+21,0.45]"
+            jcs("[1E2, 1.50, -0, 0.000001, 1e-7, 4.5e-1, 123456789012345.5, -2.5E-15]").unwrap(),
+            "[100,1.5,0,0.000001,1e-7,0.45,123456789012345.5,-2.5e-15]"
         );
         // Strings: only ", \ and controls escaped; unicode literal; \u escapes decoded.
         assert_eq!(
@@ -640,8 +640,23 @@ mod tests {
             "duplicate keys after unescaping"
         );
         assert_eq!(jcs("9007199254740993"), None, "integer beyond 2^53");
+        assert_eq!(
+            jcs("9007199254740993.0"),
+            None,
+            "integral literal beyond 2^53"
+        );
+        assert_eq!(
+            jcs("123456789012345678901234567890123456789012"),
+            None,
+            "beyond i128"
+        );
         assert_eq!(jcs("-9007199254740993"), None);
         assert_eq!(jcs("1e300").as_deref(), None, "integral value beyond 2^53");
+        assert_eq!(
+            jcs("1e21").as_deref(),
+            None,
+            "every magnitude beyond 2^53 falls back"
+        );
         assert_eq!(jcs("9007199254740992").as_deref(), Some("9007199254740992"));
         assert_eq!(jcs("0.1000000000000000000001"), None, "inexact decimal");
         assert_eq!(jcs(r#""\ud800""#), None, "lone high surrogate");

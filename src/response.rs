@@ -144,6 +144,7 @@ pub(crate) fn default_recorded_headers() -> Vec<HeaderName> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http::StatusCode;
     use std::time::Duration;
 
     #[test]
