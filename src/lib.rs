@@ -1,4 +1,137 @@
-//! Idempotency-Key middleware for tower.
+//! Idempotency-Key middleware for tower: run the work once, replay the answer to every retry.
+//!
+//! A client that timed out cannot tell whether its payment went through. With
+//! [`IdempotencyLayer`] in front of the handler it sends the same request again, with the same
+//! `Idempotency-Key`, and the second attempt is harmless: the handler runs **at most once per
+//! (scope, key)** within the retention window, and every retry gets the first answer, byte for
+//! byte, marked `Idempotent-Replayed: true`.
+//!
+//! For each keyed request (by default `POST` and `PATCH`; other methods pass through
+//! untouched, with no buffering and no store call) the layer:
+//!
+//! 1. reads the key (a bare token or an RFC 8941 string, 1 to 255 visible ASCII characters);
+//! 2. buffers the body (up to 1 MiB) and fingerprints method, path and canonical body
+//!    (RFC 8785 JSON, sorted form pairs, or raw bytes);
+//! 3. claims the key in one atomic store operation;
+//! 4. runs the inner service on its own task, renewing its lease, so a client that hangs up
+//!    cannot cancel the work halfway;
+//! 5. records the answer (or releases the key, for answers a retry should redo: 5xx, 429, …)
+//!    and answers.
+//!
+//! A retry of a completed request gets the recorded answer; one that arrives while the first
+//! attempt runs gets `409` with `Retry-After` (or waits, see [`IdempotencyLayer::with_wait`]);
+//! the same key with a different request gets `422`. When the store is down the layer answers
+//! `503` and runs nothing.
+//!
+//! # Example: any tower service
+//!
+//! ```
+//! use std::convert::Infallible;
+//! use bytes::Bytes;
+//! use http::{Request, Response, StatusCode};
+//! use http_body_util::{BodyExt, Full};
+//! use tower::{service_fn, ServiceBuilder, ServiceExt};
+//! use tower_idempotency::{store::MemoryStore, IdempotencyLayer, RequestBody};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! let charge = service_fn(|_req: Request<RequestBody<Full<Bytes>>>| async {
+//!     let mut res = Response::new(Full::new(Bytes::from(r#"{"id":"pay_1"}"#)));
+//!     *res.status_mut() = StatusCode::CREATED;
+//!     Ok::<_, Infallible>(res)
+//! });
+//! let svc = ServiceBuilder::new()
+//!     .layer(IdempotencyLayer::new(MemoryStore::new()))
+//!     .service(charge);
+//!
+//! let request = || {
+//!     Request::post("/v1/payments")
+//!         .header("idempotency-key", "order-1234-attempt")
+//!         .header("content-type", "application/json")
+//!         .body(Full::new(Bytes::from(r#"{"amount":1000,"currency":"EUR"}"#)))
+//!         .unwrap()
+//! };
+//! let first = svc.clone().oneshot(request()).await.unwrap();
+//! assert_eq!(first.status(), StatusCode::CREATED);
+//!
+//! let retry = svc.clone().oneshot(request()).await.unwrap();
+//! assert_eq!(retry.headers()["idempotent-replayed"], "true");
+//! assert_eq!(retry.into_body().collect().await.unwrap().to_bytes(), r#"{"id":"pay_1"}"#);
+//! # }
+//! ```
+//!
+//! The inner service receives a [`RequestBody`]: the buffered bytes for keyed requests, the
+//! original body otherwise. Responses come back as a [`ResponseBody`].
+//!
+//! # Example: axum
+//!
+//! ```
+//! use axum::{routing::post, Router};
+//! use tower_idempotency::{store::MemoryStore, IdempotencyLayer};
+//!
+//! # #[derive(Clone)] struct Tenant(String);
+//! let app: Router = Router::new()
+//!     .route("/v1/payments", post(|| async { "charged" }))
+//!     .layer(
+//!         IdempotencyLayer::new(MemoryStore::new())
+//!             // One key space per tenant, as set by an auth layer outside this one.
+//!             .with_scope(|req| req.extensions.get::<Tenant>().map(|t| t.0.clone())),
+//!     );
+//! # drop(app);
+//! ```
+//!
+//! `examples/shop` is a complete payments API: `cargo run --example shop`.
+//!
+//! # Choosing a store
+//!
+//! | store | feature | use when |
+//! |---|---|---|
+//! | [`store::MemoryStore`] | always | one process: tests, a single replica. Records die with the process. |
+//! | `store::redis::RedisStore` | `redis` | several replicas, low latency. Redis must run with `maxmemory-policy noeviction` (checked at construction); a failover without `WAIT` can lose an acknowledged claim. |
+//! | `store::postgres::PostgresStore` | `postgres` | several replicas, durable records, or a handler that records its answer in its own transaction. |
+//!
+//! Every store passes the same conformance suite; see [`store`] for the contract and for
+//! writing your own.
+//!
+//! # Where to put the layer
+//!
+//! - **Inside authentication**, so that the scope function can read the principal from the
+//!   request extensions. Without a scope every caller shares one key space.
+//! - **Inside compression** (`CompressionLayer` outside this layer), so that records hold the
+//!   identity body and each replay is compressed for the retry's own `Accept-Encoding`.
+//! - **Outside timeouts is fine**: a `TimeoutLayer` outside drops the response future, but the
+//!   claimed work runs on its own task and its answer is recorded for the retry.
+//! - **Inside rate limiting**, so that rejected requests never claim a key.
+//!
+//! # Feature flags
+//!
+//! | feature | default | enables |
+//! |---|---|---|
+//! | `redis` | no | `store::redis` with the `redis` crate (1.x): single node and Cluster |
+//! | `postgres` | no | `store::postgres` with `tokio-postgres` and `deadpool-postgres` |
+//!
+//! # What "exactly once" means here
+//!
+//! The layer guarantees **at most one execution per (scope, key) at a time, and a replayed
+//! first answer**, within the retention TTL (24 h by default). What it cannot promise:
+//!
+//! - **A holder cut off from the store.** If a handler runs longer than its lease while its
+//!   renewals cannot reach the store, the lease lapses and a retry with the same request takes
+//!   over (generation 2). Both may then act. The late holder's answer is fenced and never
+//!   overwrites the record. Use [`IdempotencyContext::derive`] to give downstream calls their
+//!   own idempotency keys, so that a takeover repeats them harmlessly.
+//! - **A store that loses acknowledged writes**: a Redis failover before replication, a
+//!   Postgres restore from an old backup.
+//! - **After the TTL** a key is new again.
+//! - **Bodies beyond `max_response_body`** are not kept: retries get `410` with the original
+//!   status, never a second execution.
+//! - Request trailers are not forwarded for keyed requests (the body is buffered).
+//! - Fingerprints are versioned (`v1`); a future version would make in-flight retries across
+//!   an upgrade answer `422`.
+//!
+//! Errors the layer makes are responses, never `Err`: `problem+json` (RFC 9457) with a stable
+//! `type` per kind ([`problems`]) and `Cache-Control: no-store`, or a gRPC status for gRPC
+//! requests. The typed [`IdempotencyError`] is in the response extensions.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod body;
@@ -23,3 +156,52 @@ pub use record::{
     Completion, DecodeError, Fingerprint, Record, RecordId, RecordState, StoredResponse, Token,
 };
 pub use service::{Idempotency, ResponseFuture};
+
+/// The problem types the layer answers with. Each `type` URI points at its section here.
+///
+/// | status | type | when | gRPC status |
+/// |---|---|---|---|
+/// | 400 | [`key-missing`](#key-missing) | a protected request without a key | `INVALID_ARGUMENT` |
+/// | 400 | [`key-invalid`](#key-invalid) | empty, > 255 characters, not visible ASCII, bad sf-string, or two field lines | `INVALID_ARGUMENT` |
+/// | 400 | [`body-unreadable`](#body-unreadable) | the request body failed while being read | `INVALID_ARGUMENT` |
+/// | 413 | [`body-too-large`](#body-too-large) | the body exceeds `max_request_body` | `RESOURCE_EXHAUSTED` |
+/// | 409 | [`in-progress`](#in-progress) | the first request with this key still runs; `Retry-After` says when its lease ends | `ABORTED` |
+/// | 422 | [`key-reused`](#key-reused) | the key was used with a different request (body, path, method) | `FAILED_PRECONDITION` |
+/// | 410 | [`response-not-retained`](#response-not-retained) | the original completed, but its response was too large to keep | `ALREADY_EXISTS` |
+/// | 503 | [`store-unavailable`](#store-unavailable) | the store failed; nothing ran; `Retry-After: 1` | `UNAVAILABLE` |
+/// | 500 | [`scope-missing`](#scope-missing) | the scope function found no scope | `INTERNAL` |
+///
+/// Every problem carries `type`, `title`, `status` and `detail`; `in-progress` and
+/// `store-unavailable` add `retry_after` (seconds), `response-not-retained` adds
+/// `original_status`. All have `Cache-Control: no-store`.
+///
+/// # key-missing
+/// Send an `Idempotency-Key` header: a unique value per logical operation (a UUID), reused
+/// unchanged for every retry of that operation.
+///
+/// # key-invalid
+/// A key is 1 to 255 visible ASCII characters (`0x21`–`0x7E`), sent once, as a bare token or
+/// an RFC 8941 string (`"abc"` is the key `abc`).
+///
+/// # body-unreadable
+/// The connection failed while the body was being read. Nothing was claimed; retry.
+///
+/// # body-too-large
+/// Protected requests are buffered to be fingerprinted. Nothing was claimed.
+///
+/// # in-progress
+/// Retry after `Retry-After` seconds, with the same key and the same request.
+///
+/// # key-reused
+/// A key names one operation. Use a new key for a new request; do not retry this one.
+///
+/// # response-not-retained
+/// The operation completed with `original_status`; it was not run again.
+///
+/// # store-unavailable
+/// The request was not processed. Retry after `Retry-After` seconds.
+///
+/// # scope-missing
+/// A server configuration error: the idempotency layer runs before the layer that sets the
+/// scope (usually authentication).
+pub mod problems {}
