@@ -17,6 +17,7 @@
 //! its global `arbitrary_precision` feature, loses number literals, so it cannot tell when
 //! canonicalising would merge two requests.
 
+use std::borrow::Cow;
 use std::cmp::Ordering;
 
 use http::{request, HeaderMap, HeaderName};
@@ -169,14 +170,15 @@ pub(crate) fn fingerprint(
 // RFC 8785 canonical JSON
 // ---------------------------------------------------------------------------------------
 
-enum Value {
+/// Strings and numbers borrow from the input when it already holds their canonical form.
+enum Value<'a> {
     Null,
     Bool(bool),
     /// Already in ECMAScript `Number.prototype.toString` form.
-    Number(String),
-    String(String),
-    Array(Vec<Value>),
-    Object(Vec<(String, Value)>),
+    Number(Cow<'a, str>),
+    String(Cow<'a, str>),
+    Array(Vec<Value<'a>>),
+    Object(Vec<(Cow<'a, str>, Value<'a>)>),
 }
 
 /// The RFC 8785 form of `body` with `excluded` fields removed, or `None` when canonicalising
@@ -185,6 +187,7 @@ pub(crate) fn canonical_json(body: &[u8], excluded: &[JsonPointer]) -> Option<Ve
     let text = std::str::from_utf8(body).ok()?;
     let mut p = Parser {
         s: text.as_bytes(),
+        text,
         i: 0,
     };
     p.ws();
@@ -201,7 +204,7 @@ pub(crate) fn canonical_json(body: &[u8], excluded: &[JsonPointer]) -> Option<Ve
     Some(out)
 }
 
-fn remove(value: &mut Value, path: &[String]) {
+fn remove(value: &mut Value<'_>, path: &[String]) {
     let Some((last, parents)) = path.split_last() else {
         return;
     };
@@ -238,11 +241,13 @@ fn array_index(token: &str) -> Option<usize> {
 }
 
 struct Parser<'a> {
+    /// Checked to be UTF-8 before parsing.
     s: &'a [u8],
+    text: &'a str,
     i: usize,
 }
 
-impl Parser<'_> {
+impl<'a> Parser<'a> {
     fn ws(&mut self) {
         while let Some(b' ' | b'\t' | b'\n' | b'\r') = self.s.get(self.i) {
             self.i += 1;
@@ -258,7 +263,7 @@ impl Parser<'_> {
         }
     }
 
-    fn value(&mut self, depth: usize) -> Option<Value> {
+    fn value(&mut self, depth: usize) -> Option<Value<'a>> {
         if depth > MAX_DEPTH {
             return None;
         }
@@ -274,7 +279,7 @@ impl Parser<'_> {
         }
     }
 
-    fn object(&mut self, depth: usize) -> Option<Value> {
+    fn object(&mut self, depth: usize) -> Option<Value<'a>> {
         self.i += 1;
         let mut members = Vec::new();
         self.ws();
@@ -310,7 +315,7 @@ impl Parser<'_> {
         Some(Value::Object(members))
     }
 
-    fn array(&mut self, depth: usize) -> Option<Value> {
+    fn array(&mut self, depth: usize) -> Option<Value<'a>> {
         self.i += 1;
         let mut items = Vec::new();
         self.ws();
@@ -342,23 +347,21 @@ impl Parser<'_> {
         u16::from_str_radix(text, 16).ok()
     }
 
-    fn string(&mut self) -> Option<String> {
+    fn string(&mut self) -> Option<Cow<'a, str>> {
         self.i += 1; // opening quote
-        let mut out = String::new();
+        let start = self.i;
+        self.plain_run();
+        // Fast path: no escapes, so the input slice is the value.
+        if self.s.get(self.i) == Some(&b'"') {
+            self.i += 1;
+            return Some(Cow::Borrowed(&self.text[start..self.i - 1]));
+        }
+        let mut out = String::from(&self.text[start..self.i]);
         loop {
-            let start = self.i;
-            while let Some(&b) = self.s.get(self.i) {
-                if b == b'"' || b == b'\\' || b < 0x20 {
-                    break;
-                }
-                self.i += 1;
-            }
-            // The input was checked to be UTF-8 and we stopped on ASCII bytes only.
-            out.push_str(std::str::from_utf8(&self.s[start..self.i]).ok()?);
             match *self.s.get(self.i)? {
                 b'"' => {
                     self.i += 1;
-                    return Some(out);
+                    return Some(Cow::Owned(out));
                 }
                 b'\\' => {
                     self.i += 1;
@@ -373,36 +376,49 @@ impl Parser<'_> {
                         b'n' => out.push('\n'),
                         b'r' => out.push('\r'),
                         b't' => out.push('\t'),
-                        b'u' => {
-                            let hi = self.hex4()?;
-                            let c = match hi {
-                                0xD800..=0xDBFF => {
-                                    self.eat(b"\\u")?;
-                                    let lo = self.hex4()?;
-                                    if !(0xDC00..=0xDFFF).contains(&lo) {
-                                        return None; // lone high surrogate
-                                    }
-                                    let cp = 0x10000
-                                        + ((u32::from(hi) - 0xD800) << 10)
-                                        + (u32::from(lo) - 0xDC00);
-                                    char::from_u32(cp)?
-                                }
-                                0xDC00..=0xDFFF => return None, // lone low surrogate
-                                _ => char::from_u32(u32::from(hi))?,
-                            };
-                            out.push(c);
-                        }
+                        b'u' => out.push(self.unicode_escape()?),
                         _ => return None,
                     }
                 }
                 _ => return None, // raw control character
             }
+            let run = self.i;
+            self.plain_run();
+            out.push_str(&self.text[run..self.i]);
+        }
+    }
+
+    /// Skips bytes that stand for themselves inside a string. Stops only on ASCII, so the
+    /// positions it leaves are char boundaries of the (UTF-8) input.
+    fn plain_run(&mut self) {
+        let rest = &self.s[self.i..];
+        self.i += rest
+            .iter()
+            .position(|&b| SPECIAL[b as usize])
+            .unwrap_or(rest.len());
+    }
+
+    /// After `\u`: one code point, pairing surrogates; a lone surrogate is `None`.
+    fn unicode_escape(&mut self) -> Option<char> {
+        let hi = self.hex4()?;
+        match hi {
+            0xD800..=0xDBFF => {
+                self.eat(b"\\u")?;
+                let lo = self.hex4()?;
+                if !(0xDC00..=0xDFFF).contains(&lo) {
+                    return None; // lone high surrogate
+                }
+                let cp = 0x10000 + ((u32::from(hi) - 0xD800) << 10) + (u32::from(lo) - 0xDC00);
+                char::from_u32(cp)
+            }
+            0xDC00..=0xDFFF => None, // lone low surrogate
+            _ => char::from_u32(u32::from(hi)),
         }
     }
 
     /// Reads a number literal and returns its ECMAScript form, or `None` when that form
     /// would stand for more than one literal value.
-    fn number(&mut self) -> Option<String> {
+    fn number(&mut self) -> Option<Cow<'a, str>> {
         let start = self.i;
         self.eat(b"-");
         match *self.s.get(self.i)? {
@@ -430,12 +446,23 @@ impl Parser<'_> {
             }
             self.digits();
         }
-        let literal = std::str::from_utf8(&self.s[start..self.i]).ok()?;
+        let literal = &self.text[start..self.i];
         if integer {
             // Judge integers on their digits: 2^53 + 1 parses to the double 2^53 and
             // would merge with it. More digits than an i128 holds is beyond 2^53 anyway.
             let n: i128 = literal.parse().ok()?;
-            return (n.unsigned_abs() <= MAX_SAFE_INTEGER).then(|| n.to_string());
+            if n.unsigned_abs() > MAX_SAFE_INTEGER {
+                return None;
+            }
+            // JSON forbids leading zeros, so the literal is canonical except for "-0".
+            return Some(if n == 0 {
+                Cow::Borrowed("0")
+            } else {
+                Cow::Borrowed(literal)
+            });
+        }
+        if plain_decimal_is_canonical(literal) {
+            return Some(Cow::Borrowed(literal));
         }
         let value: f64 = literal.parse().ok()?;
         if !value.is_finite() || (value.fract() == 0.0 && value.abs() > MAX_SAFE) {
@@ -445,7 +472,7 @@ impl Parser<'_> {
         let es = buf.format_finite(value);
         // Only canonicalise when the literal is exactly this double's shortest form, so two
         // distinct decimals (0.1 and 0.10000000000000000001) never share a fingerprint.
-        (decimal(literal)? == decimal(es)?).then(|| es.to_owned())
+        (decimal(literal)? == decimal(es)?).then(|| Cow::Owned(es.to_owned()))
     }
 
     fn digits(&mut self) {
@@ -480,11 +507,41 @@ fn decimal(lit: &str) -> Option<(bool, String, i64)> {
     Some((neg, digits, exp))
 }
 
-fn utf16_cmp(a: &str, b: &str) -> Ordering {
-    a.encode_utf16().cmp(b.encode_utf16())
+/// `d.ddd` with at most 15 significant digits, no trailing fraction zero, and a magnitude
+/// of at least 1e-6: such a decimal is its double's shortest round-trip form, and
+/// ECMAScript prints it unchanged (it switches to exponents below 1e-6 and above 1e21).
+fn plain_decimal_is_canonical(lit: &str) -> bool {
+    let digits = lit.strip_prefix('-').unwrap_or(lit);
+    let Some((int, frac)) = digits.split_once('.') else {
+        return false;
+    };
+    if frac.is_empty() || frac.ends_with('0') || !frac.bytes().all(|b| b.is_ascii_digit()) {
+        return false;
+    }
+    let significant = if int == "0" {
+        let zeros = frac.len() - frac.trim_start_matches('0').len();
+        if zeros >= 6 {
+            return false;
+        }
+        frac.len() - zeros
+    } else {
+        int.len() + frac.len()
+    };
+    significant <= 15
 }
 
-fn write(v: &Value, out: &mut Vec<u8>) {
+/// RFC 8785 orders keys by UTF-16 code units. That equals byte order unless a string holds a
+/// supplementary-plane character (a 4-byte UTF-8 sequence, lead byte >= 0xF0).
+fn utf16_cmp(a: &str, b: &str) -> Ordering {
+    let supplementary = |s: &str| s.bytes().any(|b| b >= 0xF0);
+    if supplementary(a) || supplementary(b) {
+        a.encode_utf16().cmp(b.encode_utf16())
+    } else {
+        a.as_bytes().cmp(b.as_bytes())
+    }
+}
+
+fn write(v: &Value<'_>, out: &mut Vec<u8>) {
     match v {
         Value::Null => out.extend_from_slice(b"null"),
         Value::Bool(true) => out.extend_from_slice(b"true"),
@@ -516,27 +573,53 @@ fn write(v: &Value, out: &mut Vec<u8>) {
     }
 }
 
-/// RFC 8785 3.2.2.2: escape `"`, `\` and controls; everything else as UTF-8.
+/// Bytes that end a plain run inside a JSON string: `"`, `\\` and controls.
+const SPECIAL: [bool; 256] = {
+    let mut t = [false; 256];
+    let mut i = 0;
+    while i < 0x20 {
+        t[i] = true;
+        i += 1;
+    }
+    t[b'"' as usize] = true;
+    t[b'\\' as usize] = true;
+    t
+};
+
+/// RFC 8785 3.2.2.2: escape `"`, `\\` and controls; everything else as UTF-8.
 fn write_string(s: &str, out: &mut Vec<u8>) {
     out.push(b'"');
-    for &b in s.as_bytes() {
-        match b {
-            b'"' => out.extend_from_slice(b"\\\""),
-            b'\\' => out.extend_from_slice(b"\\\\"),
-            0x08 => out.extend_from_slice(b"\\b"),
-            0x09 => out.extend_from_slice(b"\\t"),
-            0x0a => out.extend_from_slice(b"\\n"),
-            0x0c => out.extend_from_slice(b"\\f"),
-            0x0d => out.extend_from_slice(b"\\r"),
-            0x00..=0x1f => {
-                const HEX: &[u8; 16] = b"0123456789abcdef";
-                out.extend_from_slice(b"\\u00");
-                out.push(HEX[(b >> 4) as usize]);
-                out.push(HEX[(b & 0xf) as usize]);
-            }
-            _ => out.push(b),
+    let bytes = s.as_bytes();
+    if !bytes.iter().any(|&b| SPECIAL[b as usize]) {
+        out.extend_from_slice(bytes);
+        out.push(b'"');
+        return;
+    }
+    let mut run = 0;
+    for (i, &b) in bytes.iter().enumerate() {
+        let escape: &[u8] = match b {
+            b'"' => b"\\\"",
+            b'\\' => b"\\\\",
+            0x08 => b"\\b",
+            0x09 => b"\\t",
+            0x0a => b"\\n",
+            0x0c => b"\\f",
+            0x0d => b"\\r",
+            0x00..=0x1f => b"",
+            _ => continue,
+        };
+        out.extend_from_slice(&bytes[run..i]);
+        run = i + 1;
+        if escape.is_empty() {
+            const HEX: &[u8; 16] = b"0123456789abcdef";
+            out.extend_from_slice(b"\\u00");
+            out.push(HEX[(b >> 4) as usize]);
+            out.push(HEX[(b & 0xf) as usize]);
+        } else {
+            out.extend_from_slice(escape);
         }
     }
+    out.extend_from_slice(&bytes[run..]);
     out.push(b'"');
 }
 
@@ -670,6 +753,72 @@ mod tests {
             canonical_json(&[0x22, 0xff, 0x22], &[]).is_none(),
             "invalid UTF-8"
         );
+    }
+
+    #[test]
+    fn the_plain_decimal_fast_path_agrees_with_ecmascript_formatting() {
+        // A simple LCG: deterministic, no dev-dependency.
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = |m: u64| {
+            x = x
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (x >> 33) % m
+        };
+        let mut fast = 0;
+        for _ in 0..200_000 {
+            let int_len = next(17) as usize;
+            let frac_len = 1 + next(17) as usize;
+            let mut lit = String::new();
+            if next(2) == 0 {
+                lit.push('-');
+            }
+            if int_len == 0 {
+                lit.push('0');
+            } else {
+                lit.push(char::from(b'1' + next(9) as u8));
+                (1..int_len).for_each(|_| lit.push(char::from(b'0' + next(10) as u8)));
+            }
+            lit.push('.');
+            let zeros = next(9) as usize;
+            (0..frac_len).for_each(|i| {
+                let d = if i < zeros { 0 } else { next(10) as u8 };
+                lit.push(char::from(b'0' + d));
+            });
+            if plain_decimal_is_canonical(&lit) {
+                fast += 1;
+                let v: f64 = lit.parse().unwrap();
+                let mut buf = ryu_js::Buffer::new();
+                assert_eq!(buf.format_finite(v), lit, "fast path disagrees");
+            }
+        }
+        assert!(fast > 10_000, "the fast path was exercised {fast} times");
+    }
+
+    #[test]
+    fn key_order_fast_path_agrees_with_utf16_order() {
+        let keys = [
+            "a",
+            "b",
+            "ab",
+            "\u{e9}",
+            "\u{fb33}",
+            "\u{ffff}",
+            "\u{1f600}",
+            "\u{10000}",
+            "z\u{1f600}",
+            "z\u{e000}",
+            "",
+        ];
+        for a in keys {
+            for b in keys {
+                assert_eq!(
+                    utf16_cmp(a, b),
+                    a.encode_utf16().cmp(b.encode_utf16()),
+                    "{a:?} vs {b:?}"
+                );
+            }
+        }
     }
 
     #[test]

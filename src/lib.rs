@@ -205,3 +205,12 @@ pub use service::{Idempotency, ResponseFuture};
 /// A server configuration error: the idempotency layer runs before the layer that sets the
 /// scope (usually authentication).
 pub mod problems {}
+
+/// Not public API: hooks for the benchmarks.
+#[doc(hidden)]
+pub mod __bench {
+    /// The RFC 8785 canonicaliser the fingerprint uses.
+    pub fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
+        crate::fingerprint::canonical_json(body, &[])
+    }
+}

@@ -28,7 +28,7 @@ use crate::layer::Config;
 use crate::policy::{decide, is_grpc, RecordDecision, ResponseInfo};
 use crate::record::{Completion, Fingerprint, RecordId, RecordState, StoredResponse, Token};
 use crate::response;
-use crate::store::{ClaimOutcome, IdempotencyStore};
+use crate::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type Panic = Box<dyn Any + Send + 'static>;
@@ -224,18 +224,29 @@ impl Flow {
             generation = tracing::field::Empty,
         );
 
-        // 6-9 run on their own task: a dropped response future (client gone, deadline)
-        // cannot cancel the work between the claim and the record.
-        let (tx, rx) = tokio::sync::oneshot::channel();
         let keyed = Keyed {
             flow: self,
             scope,
             id,
             fp,
         };
+        // 6. Claim, inline: a replay or a conflict costs no task. A response future dropped
+        // mid-claim leaves the claim to `PendingClaim`, which releases it if it was won.
+        let claim = match keyed.claim().instrument(span.clone()).await {
+            Step::Answer(res) => return Ok(res),
+            Step::FailOpen => {
+                let mut inner = inner;
+                let req = Request::from_parts(parts, RequestBody::buffered(bytes));
+                return inner.call(req).await.map(|r| r.map(ResponseBody::stream));
+            }
+            Step::Claimed(claim) => claim,
+        };
+        // 7-9 run on their own task: a dropped response future (client gone, deadline)
+        // cannot cancel the work between the claim and the record.
+        let (tx, rx) = tokio::sync::oneshot::channel();
         tokio::spawn(
             async move {
-                let answer = keyed.claim_and_run(inner, parts, bytes).await;
+                let answer = keyed.execute(inner, parts, bytes, claim).await;
                 let _ = tx.send(answer);
             }
             .instrument(span),
@@ -245,6 +256,59 @@ impl Flow {
             Ok(Err(panic)) => std::panic::resume_unwind(panic),
             // The task itself panicked outside the inner call: a bug in this crate.
             Err(_) => panic!("tower-idempotency: the request task ended without an answer"),
+        }
+    }
+}
+
+/// What the claim step decided.
+enum Step<B: Body> {
+    /// Run the inner service under this claim.
+    Claimed(Claim),
+    /// Answer without running: a replay, a conflict, a mismatch, a store error.
+    Answer(Response<ResponseBody<B>>),
+    /// The store failed and the layer fails open: run unprotected.
+    FailOpen,
+}
+
+type ClaimFuture = Pin<Box<dyn Future<Output = Result<ClaimOutcome, StoreError>> + Send>>;
+
+/// A claim in flight. Dropped before it resolves (its response future was dropped), it
+/// finishes on its own task and releases the claim if it won it, so the key is not held
+/// for a whole lease by a request that will never run.
+struct PendingClaim {
+    future: Option<ClaimFuture>,
+    store: Arc<dyn IdempotencyStore>,
+    id: RecordId,
+}
+
+impl Future for PendingClaim {
+    type Output = Result<ClaimOutcome, StoreError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let future = self
+            .future
+            .as_mut()
+            .expect("PendingClaim polled after completion");
+        let out = std::task::ready!(future.as_mut().poll(cx));
+        self.future = None;
+        Poll::Ready(out)
+    }
+}
+
+impl Drop for PendingClaim {
+    fn drop(&mut self) {
+        let Some(future) = self.future.take() else {
+            return;
+        };
+        let (store, id) = (self.store.clone(), self.id);
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                if let Ok(ClaimOutcome::Claimed(claim)) = future.await {
+                    if let Err(e) = store.release(&id, &claim.token).await {
+                        tracing::warn!(error = %e, "could not release a claim whose request went away; it lapses with its lease");
+                    }
+                }
+            });
         }
     }
 }
@@ -277,32 +341,26 @@ fn outcome(name: &'static str) {
 }
 
 impl Keyed {
-    async fn claim_and_run<S, ReqB, ResB>(
-        self,
-        mut inner: S,
-        parts: request::Parts,
-        bytes: Bytes,
-    ) -> Result<Answer<ResB, S::Error>, Panic>
-    where
-        S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
-        ResB: Body<Data = Bytes>,
-    {
-        let cfg = self.flow.cfg.clone();
-        let store = &*cfg.store;
+    async fn claim<B: Body>(&self) -> Step<B> {
+        let cfg = &*self.flow.cfg;
         let (lease, ttl) = (cfg.retention.lease(), cfg.retention.ttl());
         let wait_until = cfg.wait.map(|w| Instant::now() + w);
         loop {
-            // 6. Claim.
-            let claimed = match store.claim(&self.id, &self.fp, lease, ttl).await {
-                Ok(c) => c,
+            let pending = PendingClaim {
+                future: Some({
+                    let (store, id, fp) = (cfg.store.clone(), self.id, self.fp);
+                    Box::pin(async move { store.claim(&id, &fp, lease, ttl).await })
+                }),
+                store: cfg.store.clone(),
+                id: self.id,
+            };
+            let record = match pending.await {
+                Ok(ClaimOutcome::Claimed(claim)) => return Step::Claimed(claim),
+                Ok(ClaimOutcome::Existing(record)) => record,
                 Err(e) if cfg.fail_open => {
                     outcome("store_error");
                     tracing::warn!(error = %e, "idempotency store failed; running unprotected (fail open)");
-                    let req = Request::from_parts(parts, RequestBody::buffered(bytes));
-                    return AssertUnwindSafe(inner.call(req))
-                        .catch_unwind()
-                        .await
-                        .map(|r| r.map(|res| res.map(ResponseBody::stream)));
+                    return Step::FailOpen;
                 }
                 Err(e) => {
                     outcome("store_error");
@@ -313,16 +371,8 @@ impl Keyed {
                     )
                     .retry_after(STORE_RETRY_AFTER)
                     .source(e);
-                    return Ok(Ok(self.flow.error(err)));
+                    return Step::Answer(self.flow.error(err));
                 }
-            };
-            let record = match claimed {
-                ClaimOutcome::Claimed(claim) => {
-                    return self
-                        .execute(inner, parts, bytes, claim.token, claim.takeover)
-                        .await;
-                }
-                ClaimOutcome::Existing(record) => record,
             };
             if record.fingerprint != self.fp {
                 outcome("mismatch");
@@ -330,18 +380,18 @@ impl Keyed {
                     ErrorKind::Mismatch,
                     "this idempotency key was already used with a different request",
                 );
-                return Ok(Ok(self.flow.error(err)));
+                return Step::Answer(self.flow.error(err));
             }
             match record.state {
                 RecordState::Completed(Completion::Response(stored)) => {
                     outcome("replayed");
-                    return Ok(Ok(response::replay(&stored)));
+                    return Step::Answer(response::replay(&stored));
                 }
                 RecordState::Completed(Completion::Tombstone { status }) => {
                     outcome("tombstoned");
                     let err = IdempotencyError::new(ErrorKind::ResponseNotRetained, "the original request completed, but its response was too large to keep; it was not run again")
                         .original_status(status);
-                    return Ok(Ok(self.flow.error(err)));
+                    return Step::Answer(self.flow.error(err));
                 }
                 RecordState::InProgress { lease_remaining } => {
                     if let Some(until) = wait_until {
@@ -355,7 +405,7 @@ impl Keyed {
                         "a request with this idempotency key is still being processed",
                     )
                     .retry_after(lease_remaining);
-                    return Ok(Ok(self.flow.error(err)));
+                    return Step::Answer(self.flow.error(err));
                 }
             }
         }
@@ -385,8 +435,7 @@ impl Keyed {
         mut inner: S,
         mut parts: request::Parts,
         bytes: Bytes,
-        token: Token,
-        takeover: bool,
+        Claim { token, takeover }: Claim,
     ) -> Result<Answer<ResB, S::Error>, Panic>
     where
         S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,

@@ -662,6 +662,93 @@ async fn dropping_the_response_future_after_the_claim_does_not_cancel_the_work()
     assert_eq!(app.calls(), 1);
 }
 
+/// Delegates to a `MemoryStore`; each claim waits for `gate` first, and releases are signalled.
+#[derive(Default)]
+struct SlowClaimStore {
+    inner: MemoryStore,
+    claim_started: Notify,
+    gate: Notify,
+    released: Notify,
+}
+
+#[async_trait::async_trait]
+impl IdempotencyStore for SlowClaimStore {
+    async fn claim(
+        &self,
+        id: &RecordId,
+        fp: &tower_idempotency::Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<ClaimOutcome, tower_idempotency::store::StoreError> {
+        self.claim_started.notify_one();
+        self.gate.notified().await;
+        self.inner.claim(id, fp, lease, ttl).await
+    }
+    async fn extend(
+        &self,
+        id: &RecordId,
+        t: &tower_idempotency::Token,
+        lease: Duration,
+    ) -> Result<(), tower_idempotency::store::StoreError> {
+        self.inner.extend(id, t, lease).await
+    }
+    async fn complete(
+        &self,
+        id: &RecordId,
+        t: &tower_idempotency::Token,
+        c: &tower_idempotency::Completion,
+        ttl: Duration,
+    ) -> Result<(), tower_idempotency::store::StoreError> {
+        self.inner.complete(id, t, c, ttl).await
+    }
+    async fn release(
+        &self,
+        id: &RecordId,
+        t: &tower_idempotency::Token,
+    ) -> Result<(), tower_idempotency::store::StoreError> {
+        let r = self.inner.release(id, t).await;
+        self.released.notify_one();
+        r
+    }
+    async fn get(
+        &self,
+        id: &RecordId,
+    ) -> Result<Option<tower_idempotency::Record>, tower_idempotency::store::StoreError> {
+        self.inner.get(id).await
+    }
+}
+
+#[tokio::test]
+async fn a_response_future_dropped_during_the_claim_releases_a_won_claim() {
+    let store = Arc::new(SlowClaimStore::default());
+    let app = App::default();
+    let s = svc(IdempotencyLayer::new(store.clone()), &app);
+    let mut fut = Box::pin(call(&s, post("/x", Some("k"), "{}")));
+    tokio::select! {
+        _ = &mut fut => panic!("the claim is gated"),
+        _ = store.claim_started.notified() => {}
+    }
+    drop(fut); // the client went away while the claim was in flight
+    store.gate.notify_one(); // the claim now lands in the store...
+    store.released.notified().await; // ...and is released, not left to lapse with its lease
+    assert!(store
+        .inner
+        .get(&RecordId::new(None, "k"))
+        .await
+        .unwrap()
+        .is_none());
+    assert_eq!(app.calls(), 0, "the dropped request never ran");
+    let retry = tokio::spawn(call(&s, post("/x", Some("k"), "{}")));
+    store.claim_started.notified().await;
+    store.gate.notify_one();
+    assert_eq!(
+        retry.await.unwrap().status(),
+        201,
+        "the retry runs at once instead of 409"
+    );
+    assert_eq!(app.calls(), 1);
+}
+
 #[tokio::test]
 async fn a_panicking_handler_releases_the_claim_and_propagates_the_panic() {
     let app = App::default();
