@@ -7,8 +7,9 @@
 #![allow(missing_docs)]
 
 use std::convert::Infallible;
+use std::hint::black_box;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
@@ -40,51 +41,100 @@ fn post(key: &str) -> Request<Full<Bytes>> {
         .unwrap()
 }
 
+/// Times `iters` sequential calls inside one task on a runtime worker, the way a server
+/// runs a connection: spawned work lands on the same worker instead of waking another.
+fn on_worker<F, Fut>(rt: &tokio::runtime::Runtime, iters: u64, one: F) -> Duration
+where
+    F: Fn(u64) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    rt.block_on(rt.spawn(async move {
+        let start = Instant::now();
+        for i in 0..iters {
+            one(i).await;
+        }
+        start.elapsed()
+    }))
+    .unwrap()
+}
+
+fn get() -> Request<Full<Bytes>> {
+    Request::get("/v1/payments")
+        .body(Full::new(Bytes::new()))
+        .unwrap()
+}
+
 fn layer(c: &mut Criterion) {
-    let rt = tokio::runtime::Builder::new_multi_thread()
+    let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .unwrap();
+    let rt = &runtime;
     let mut g = c.benchmark_group("layer");
     g.measurement_time(Duration::from_secs(5));
-
     let bare = service_fn(handler::<Full<Bytes>>);
-    g.bench_function("bare_handler", |b| {
-        b.to_async(&rt).iter(|| async {
-            let res = bare.clone().oneshot(post("k")).await.unwrap();
-            res.into_body().collect().await.unwrap()
-        })
-    });
-
     let svc = IdempotencyLayer::new(MemoryStore::new())
         .layer(service_fn(handler::<RequestBody<Full<Bytes>>>));
-    g.bench_function("passthrough_get", |b| {
-        b.to_async(&rt).iter(|| async {
-            let req = Request::get("/v1/payments")
-                .body(Full::new(Bytes::new()))
-                .unwrap();
-            let res = svc.clone().oneshot(req).await.unwrap();
-            res.into_body().collect().await.unwrap()
+
+    g.bench_function("bare_handler_post", |b| {
+        b.iter_custom(|iters| {
+            on_worker(rt, iters, move |_| async move {
+                let res = bare.oneshot(post("k")).await.unwrap();
+                black_box(res.into_body().collect().await.unwrap());
+            })
         })
     });
-
-    let n = AtomicU64::new(0);
-    g.bench_function("new_key", |b| {
-        b.to_async(&rt).iter(|| async {
-            let key = format!("k-{}", n.fetch_add(1, Ordering::Relaxed));
-            let res = svc.clone().oneshot(post(&key)).await.unwrap();
-            assert_eq!(res.status(), 201);
-            res.into_body().collect().await.unwrap()
+    g.bench_function("bare_handler_get", |b| {
+        b.iter_custom(|iters| {
+            on_worker(rt, iters, move |_| async move {
+                let res = bare.oneshot(get()).await.unwrap();
+                black_box(res.into_body().collect().await.unwrap());
+            })
         })
     });
-
+    g.bench_function("layer_passthrough_get", |b| {
+        let svc = svc.clone();
+        b.iter_custom(move |iters| {
+            let svc = svc.clone();
+            on_worker(rt, iters, move |_| {
+                let svc = svc.clone();
+                async move {
+                    let res = svc.oneshot(get()).await.unwrap();
+                    black_box(res.into_body().collect().await.unwrap());
+                }
+            })
+        })
+    });
+    let next = std::sync::Arc::new(AtomicU64::new(0));
+    g.bench_function("layer_new_key", |b| {
+        let (svc, next) = (svc.clone(), next.clone());
+        b.iter_custom(move |iters| {
+            let (svc, next) = (svc.clone(), next.clone());
+            on_worker(rt, iters, move |_| {
+                let svc = svc.clone();
+                let key = format!("k-{}", next.fetch_add(1, Ordering::Relaxed));
+                async move {
+                    let res = svc.oneshot(post(&key)).await.unwrap();
+                    assert_eq!(res.status(), 201);
+                    black_box(res.into_body().collect().await.unwrap());
+                }
+            })
+        })
+    });
     rt.block_on(svc.clone().oneshot(post("replayed"))).unwrap();
-    g.bench_function("replay", |b| {
-        b.to_async(&rt).iter(|| async {
-            let res = svc.clone().oneshot(post("replayed")).await.unwrap();
-            assert_eq!(res.headers()["idempotent-replayed"], "true");
-            res.into_body().collect().await.unwrap()
+    g.bench_function("layer_replay", |b| {
+        let svc = svc.clone();
+        b.iter_custom(move |iters| {
+            let svc = svc.clone();
+            on_worker(rt, iters, move |_| {
+                let svc = svc.clone();
+                async move {
+                    let res = svc.oneshot(post("replayed")).await.unwrap();
+                    assert_eq!(res.headers()["idempotent-replayed"], "true");
+                    black_box(res.into_body().collect().await.unwrap());
+                }
+            })
         })
     });
     g.finish();

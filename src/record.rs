@@ -152,6 +152,8 @@ pub struct StoredResponse {
 }
 
 /// How a claimed request ended, as `complete` records it.
+// Built once per request and moved a few times; boxing would allocate on every replay.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Completion {
     /// The answer, kept whole.
@@ -165,6 +167,8 @@ pub enum Completion {
 }
 
 /// The state of one record, as the store's clock sees it.
+// Built once per request and moved a few times; boxing would allocate on every replay.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum RecordState {
     /// Claimed and not yet completed.

@@ -261,6 +261,7 @@ impl Flow {
 }
 
 /// What the claim step decided.
+#[allow(clippy::large_enum_variant)] // lives on the stack for one await
 enum Step<B: Body> {
     /// Run the inner service under this claim.
     Claimed(Claim),

@@ -84,7 +84,7 @@ async fn each_keyed_request_reports_its_outcome_and_never_the_raw_key() {
     });
     let layer = IdempotencyLayer::new(MemoryStore::new())
         .with_max_response_body(NonZeroUsize::new(4096).unwrap());
-    let s = layer.layer(inner.clone());
+    let s = layer.layer(inner);
     let run = |path: &'static str, body: &'static str| {
         s.clone().oneshot(post(path, Some(SECRET_KEY), body))
     };
@@ -92,18 +92,18 @@ async fn each_keyed_request_reports_its_outcome_and_never_the_raw_key() {
     run("/ok", "{}").await.unwrap(); // executed
     run("/ok", "{}").await.unwrap(); // replayed
     run("/ok", r#"{"changed":1}"#).await.unwrap(); // mismatch
-    let fresh = IdempotencyLayer::new(MemoryStore::new()).layer(inner.clone());
+    let fresh = IdempotencyLayer::new(MemoryStore::new()).layer(inner);
     fresh
         .oneshot(post("/fail", Some(SECRET_KEY), "{}"))
         .await
         .unwrap(); // released
     let big = IdempotencyLayer::new(MemoryStore::new())
         .with_max_response_body(NonZeroUsize::new(1024).unwrap())
-        .layer(inner.clone());
+        .layer(inner);
     big.oneshot(post("/big", Some(SECRET_KEY), "{}"))
         .await
         .unwrap(); // tombstoned
-    let down = IdempotencyLayer::new(DownStore).layer(inner.clone());
+    let down = IdempotencyLayer::new(DownStore).layer(inner);
     down.oneshot(post("/ok", Some(SECRET_KEY), "{}"))
         .await
         .unwrap(); // store_error

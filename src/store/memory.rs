@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::hash::{BuildHasher, Hash, Hasher};
+use std::hash::BuildHasher;
 use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -187,9 +187,7 @@ impl MemoryStore {
     }
 
     fn shard(&self, id: &RecordId) -> MutexGuard<'_, Shard> {
-        let mut h = self.inner.hasher.build_hasher();
-        id.hash(&mut h);
-        let i = (h.finish() as usize) % self.inner.shards.len();
+        let i = (self.inner.hasher.hash_one(id) as usize) % self.inner.shards.len();
         let mut shard = lock(&self.inner.shards[i]);
         let now = Instant::now();
         if now.duration_since(shard.last_sweep) >= self.inner.sweep_interval {

@@ -127,6 +127,8 @@ pub mod postgres;
 pub use memory::MemoryStore;
 
 /// What [`IdempotencyStore::claim`] found.
+// Built once per request and moved a few times; boxing would allocate on every replay.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ClaimOutcome {
     /// This caller holds the key now and must run the work, then complete or release.

@@ -7,7 +7,7 @@
 //! Leases and TTLs here are real time (a store's own clock cannot be paused), so the
 //! checks that wait for a lease or a TTL to lapse sleep past it with a margin. They never
 //! sleep to order two tasks: concurrency is ordered by a barrier.
-#![allow(dead_code, unreachable_pub)]
+#![allow(dead_code, unreachable_pub, clippy::match_wildcard_for_single_variants)]
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
