@@ -560,6 +560,57 @@ async fn a_claim_that_cannot_be_read_back_is_unknown_never_claimed() {
 }
 
 #[tokio::test]
+async fn timed_out_writes_are_read_back_before_answering() {
+    let Some(server) = RedisServer::start(&[]) else {
+        return;
+    };
+    let store = RedisStore::builder()
+        .with_timeout(Duration::from_millis(600))
+        .connect(&server.url())
+        .await
+        .unwrap();
+    let pause = Duration::from_millis(900);
+    // Past the 600 ms timeout, an answer can only come from the read-back.
+    let read_back = |started: Instant| {
+        assert!(
+            started.elapsed() >= Duration::from_millis(600),
+            "the call did not time out"
+        );
+    };
+
+    // Each call times out during the pause; its read-back runs right after it once the pause
+    // ends, sees the call took effect (or that it did not and it may be sent again), and answers.
+    let done = unique_id("late-complete");
+    let token = claim_token(&store, &done).await;
+    let _admin = pause_clients(&server, pause).await;
+    let started = Instant::now();
+    store
+        .complete(&done, &token, &response(201, "late"), TTL)
+        .await
+        .expect("a complete that landed is done");
+    read_back(started);
+    assert_eq!(
+        store.get(&done).await.unwrap().unwrap().state,
+        RecordState::Completed(response(201, "late"))
+    );
+
+    let renewed = unique_id("late-extend");
+    let token = claim_token(&store, &renewed).await;
+    let _admin = pause_clients(&server, pause).await;
+    let started = Instant::now();
+    store.extend(&renewed, &token, LEASE).await.expect("extend");
+    read_back(started);
+
+    let freed = unique_id("late-release");
+    let token = claim_token(&store, &freed).await;
+    let _admin = pause_clients(&server, pause).await;
+    let started = Instant::now();
+    store.release(&freed, &token).await.expect("release");
+    read_back(started);
+    assert!(store.get(&freed).await.unwrap().is_none());
+}
+
+#[tokio::test]
 async fn wait_confirms_replicas_and_a_shortfall_fails_and_releases() {
     let Some(primary) = RedisServer::start(&[]) else {
         return;

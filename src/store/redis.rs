@@ -698,7 +698,7 @@ impl RedisStore {
 
     /// The Redis key of `id`: `<prefix>{<hex id>}`.
     pub fn key(&self, id: &RecordId) -> String {
-        format!("{}{{{}}}", self.inner.prefix, id.to_hex())
+        record_key(&self.inner.prefix, id)
     }
 
     /// Runs one script call, bounded by the timeout.
@@ -831,6 +831,11 @@ fn unknown(source: Option<Box<dyn StdError + Send + Sync + 'static>>) -> StoreEr
 
 fn corrupt(what: &'static str) -> StoreError {
     StoreError::with_source(StoreErrorKind::Corrupt, BadReply(what))
+}
+
+/// `<prefix>{<hex id>}`: the braces make the id the cluster hash tag, whatever the prefix.
+fn record_key(prefix: &str, id: &RecordId) -> String {
+    format!("{prefix}{{{}}}", id.to_hex())
 }
 
 /// Milliseconds for Redis, rounded up (a lease is never shorter than asked), 1 ms at least
@@ -1139,9 +1144,14 @@ mod tests {
     #[test]
     fn keys_carry_the_record_id_as_hash_tag() {
         let id = RecordId::new(Some("t"), "k");
-        let key = format!("{DEFAULT_KEY_PREFIX}{{{}}}", id.to_hex());
-        assert!(key.starts_with("idem:{"));
-        assert_eq!(key.len(), "idem:{}".len() + 64);
+        let key = record_key(DEFAULT_KEY_PREFIX, &id);
+        assert_eq!(key, format!("idem:{{{}}}", id.to_hex()));
+        // Redis Cluster hashes what is between the first `{` and the next `}`.
+        let tag = key
+            .split_once('{')
+            .and_then(|(_, rest)| rest.split_once('}'));
+        assert_eq!(tag.map(|(t, _)| t.to_owned()), Some(id.to_hex()));
+        assert_ne!(record_key("a:", &id), record_key("b:", &id));
     }
 
     #[test]
