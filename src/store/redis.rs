@@ -67,8 +67,8 @@
 //! A full `noeviction` Redis refuses writes. A claim of a new key then fails with
 //! [`StoreErrorKind::Full`] and writes nothing (the layer answers 503 without running the inner
 //! service), while completed records still replay: the claim script reads before it writes, and
-//! Redis refuses only a script's first write, not the script. `complete` and `extend` are writes
-//! and fail with `Full` too; `release` and `get` keep working.
+//! Redis refuses only a script's first write, not the script. A takeover, `complete` and
+//! `extend` are writes and fail with `Full` too; `release` (a `DEL`) and `get` keep working.
 //!
 //! # Durability: AOF, replication and `WAIT`
 //!
@@ -87,7 +87,17 @@
 //! script touches one slot and the store runs unchanged on a cluster. `EVALSHA` goes to the
 //! slot's primary; a `NOSCRIPT` answer (a fresh node, `SCRIPT FLUSH`) loads the script on every
 //! node and runs it again, for a single node and for a cluster alike. The scripts are also
-//! loaded when the store is built.
+//! loaded when the store is built. `WAIT` goes to the primary of the record's slot.
+//!
+//! The cluster client itself resends a command whose connection dropped. A claim is safe to
+//! resend (it is idempotent for its nonce); a `complete` or `release` that had landed answers
+//! `Fenced` the second time, which the layer logs while the record is already right.
+//!
+//! # Requirements
+//!
+//! Redis 5 or later (the scripts read `TIME` before they write, which needs effects
+//! replication, the default since 5); tested with Redis 7.0, single node and cluster. TLS
+//! is not enabled in this crate's `redis` features.
 //!
 //! # Key layout and record format
 //!
