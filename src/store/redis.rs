@@ -816,8 +816,12 @@ impl Failure {
         if e.is_timeout() || (e.is_io_error() && !e.is_connection_refusal()) {
             return Failure::Uncertain(Box::new(e));
         }
+        // Redis 7 passes a script's OOM error on with its code; older versions wrap it in ERR.
+        let oom = e.code() == Some("OOM")
+            || e.detail()
+                .is_some_and(|d| d.contains("OOM command not allowed"));
         let kind = match e.code() {
-            Some("OOM") => StoreErrorKind::Full,
+            _ if oom => StoreErrorKind::Full,
             Some("WRONGTYPE") => StoreErrorKind::Corrupt,
             _ => StoreErrorKind::Unavailable,
         };
@@ -1174,6 +1178,35 @@ mod tests {
         let info = bulk(b"# Memory\r\nused_memory:1\r\nmaxmemory_policy:volatile-lru\r\n");
         assert_eq!(policy_from_info(&info).as_deref(), Some("volatile-lru"));
         assert_eq!(policy_from_info(&bulk(b"# Memory\r\n")), None);
+    }
+
+    #[test]
+    fn redis_errors_map_to_store_error_kinds() {
+        let kind = |e: RedisError| Failure::from_redis(e).into_error().kind();
+        let server = |code: &str, detail: &str| {
+            redis::make_extension_error(code.to_owned(), Some(detail.to_owned()))
+        };
+        let oom7 =
+            "command not allowed when used memory > 'maxmemory'. script: f, on @user_script:9.";
+        assert_eq!(kind(server("OOM", oom7)), StoreErrorKind::Full);
+        let oom6 = "Error running script (call to f_1): @user_script:9: -OOM command not allowed \
+                    when used memory > 'maxmemory'.";
+        assert_eq!(kind(server("ERR", oom6)), StoreErrorKind::Full);
+        assert_eq!(kind(server("NOPERM", "no")), StoreErrorKind::Unavailable);
+        assert_eq!(kind(server("WRONGTYPE", "hash")), StoreErrorKind::Corrupt);
+        let io = |k| RedisError::from(std::io::Error::from(k));
+        assert_eq!(
+            kind(io(std::io::ErrorKind::TimedOut)),
+            StoreErrorKind::Unknown
+        );
+        assert_eq!(
+            kind(io(std::io::ErrorKind::ConnectionReset)),
+            StoreErrorKind::Unknown
+        );
+        assert_eq!(
+            kind(io(std::io::ErrorKind::ConnectionRefused)),
+            StoreErrorKind::Unavailable
+        );
     }
 
     #[test]
