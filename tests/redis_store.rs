@@ -1,0 +1,663 @@
+//! `RedisStore` against real Redis: the conformance suite on `IDEMPOTENCY_TEST_REDIS_URL`, and
+//! the failure modes (eviction policy, out of memory, NOSCRIPT, restart, timeouts, WAIT) and
+//! round-trip counts on private `redis-server` processes.
+#![cfg(feature = "redis")]
+
+mod common;
+mod conformance;
+mod redis_harness;
+
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use conformance::{fp, response, unique_id, DynStore};
+use redis_harness::{RedisServer, WithServer};
+use tower_idempotency::store::redis::{redis, RedisStore, ReplicationShortfall, SetupError};
+use tower_idempotency::store::{ClaimOutcome, IdempotencyStore, StoreErrorKind};
+use tower_idempotency::{RecordState, Token};
+
+const LEASE: Duration = Duration::from_secs(30);
+const TTL: Duration = Duration::from_secs(600);
+
+/// The shared Redis from `IDEMPOTENCY_TEST_REDIS_URL`, or `None` (skipped).
+async fn shared_store() -> Option<RedisStore> {
+    let url = common::backend_url("IDEMPOTENCY_TEST_REDIS_URL")?;
+    Some(
+        RedisStore::connect(&url)
+            .await
+            .expect("connect to IDEMPOTENCY_TEST_REDIS_URL"),
+    )
+}
+
+/// A private noeviction server that fills up at a few MiB.
+fn tiny_server() -> Option<RedisServer> {
+    RedisServer::start(&["--maxmemory", "4mb", "--maxmemory-policy", "noeviction"])
+}
+
+/// A connection for the test's own commands, with no response timeout (a paused server
+/// answers late, and the test waits for that).
+async fn admin(server: &RedisServer) -> redis::aio::MultiplexedConnection {
+    let config = redis::AsyncConnectionConfig::new().set_response_timeout(None);
+    redis::Client::open(server.url())
+        .unwrap()
+        .get_multiplexed_async_connection_with_config(&config)
+        .await
+        .unwrap()
+}
+
+async fn claim_token(store: &impl IdempotencyStore, id: &tower_idempotency::RecordId) -> Token {
+    match store.claim(id, &fp(1), LEASE, TTL).await.expect("claim") {
+        ClaimOutcome::Claimed(c) => c.token,
+        other @ ClaimOutcome::Existing(_) => panic!("expected Claimed, got {other:?}"),
+    }
+}
+
+conformance_suite! {
+    store: async { Some(Arc::new(shared_store().await?) as DynStore) },
+    full: async {
+        let server = tiny_server()?;
+        let store = RedisStore::connect(&server.url()).await.unwrap();
+        Some(Arc::new(WithServer { store, server }) as DynStore)
+    },
+}
+
+#[tokio::test]
+async fn records_are_one_hash_per_key_with_a_ttl_under_the_prefix() {
+    let Some(url) = common::backend_url("IDEMPOTENCY_TEST_REDIS_URL") else {
+        return;
+    };
+    let store = RedisStore::builder()
+        .with_key_prefix("test-idem:")
+        .connect(&url)
+        .await
+        .unwrap();
+    let mut con = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let id = unique_id("layout");
+    let key = store.key(&id);
+    assert_eq!(key, format!("test-idem:{{{}}}", id.to_hex()));
+
+    let token = claim_token(&store, &id).await;
+    let kind: String = redis::cmd("TYPE")
+        .arg(&key)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert_eq!(kind, "hash");
+    let fields: Vec<(String, Vec<u8>)> = redis::cmd("HGETALL")
+        .arg(&key)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let field = |name: &str| {
+        fields
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.clone())
+    };
+    let mut names: Vec<&str> = fields.iter().map(|(n, _)| n.as_str()).collect();
+    names.sort_unstable();
+    assert_eq!(names, ["f", "g", "l", "n", "v"]);
+    assert_eq!(field("v").unwrap(), b"1");
+    assert_eq!(field("f").unwrap(), fp(1).as_bytes());
+    assert_eq!(field("g").unwrap(), b"1");
+    assert_eq!(field("n").unwrap(), token.nonce());
+    let pttl: i64 = redis::cmd("PTTL")
+        .arg(&key)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert!(
+        pttl > 0 && pttl <= TTL.as_millis() as i64,
+        "claim PTTL {pttl}"
+    );
+
+    let done = response(201, Bytes::from_static(b"\x00\xffraw"));
+    store
+        .complete(&id, &token, &done, Duration::from_secs(60))
+        .await
+        .unwrap();
+    let c: Vec<u8> = redis::cmd("HGET")
+        .arg(&key)
+        .arg("c")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert_eq!(
+        c,
+        done.encode(),
+        "the completion is stored as raw encoded bytes"
+    );
+    let pttl: i64 = redis::cmd("PTTL")
+        .arg(&key)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert!(pttl > 0 && pttl <= 60_000, "complete PTTL {pttl}");
+
+    // Braces in the prefix would move the cluster hash tag.
+    let err = RedisStore::builder()
+        .with_key_prefix("idem:{x}:")
+        .connect(&url)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, SetupError::KeyPrefix(_)), "{err:?}");
+}
+
+#[tokio::test]
+async fn extreme_leases_and_ttls_are_clamped_not_refused() {
+    let Some(store) = shared_store().await else {
+        return;
+    };
+    let id = unique_id("extreme");
+    let token = match store
+        .claim(&id, &fp(1), Duration::MAX, Duration::MAX)
+        .await
+        .unwrap()
+    {
+        ClaimOutcome::Claimed(c) => c.token,
+        other @ ClaimOutcome::Existing(_) => panic!("{other:?}"),
+    };
+    store.extend(&id, &token, Duration::MAX).await.unwrap();
+    match store.get(&id).await.unwrap().unwrap().state {
+        RecordState::InProgress { lease_remaining } => {
+            assert!(
+                lease_remaining > Duration::from_secs(1 << 40),
+                "{lease_remaining:?}"
+            )
+        }
+        other @ RecordState::Completed(_) => panic!("{other:?}"),
+    }
+    // A zero lease or TTL is 1 ms, never PEXPIRE 0 (which would delete at once).
+    store
+        .complete(&id, &token, &response(200, "ok"), Duration::ZERO)
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn eviction_guard_refuses_an_evicting_policy_and_names_it() {
+    let Some(server) = RedisServer::start(&["--maxmemory-policy", "volatile-lru"]) else {
+        return;
+    };
+    let err = RedisStore::connect(&server.url()).await.unwrap_err();
+    match &err {
+        SetupError::EvictionPolicy { policy, .. } => assert_eq!(policy, "volatile-lru"),
+        other => panic!("expected EvictionPolicy, got {other:?}"),
+    }
+    let msg = err.to_string();
+    assert!(msg.contains("volatile-lru"), "{msg}");
+    assert!(
+        msg.contains("CONFIG SET maxmemory-policy noeviction"),
+        "{msg}"
+    );
+
+    // The explicit opt-in, and only it, lets the store run there.
+    let store = RedisStore::builder()
+        .with_eviction_guard(false)
+        .connect(&server.url())
+        .await
+        .expect("opted out of the guard");
+    claim_token(&store, &unique_id("opt-in")).await;
+
+    // After the fix the default store connects.
+    server.cli(&["config", "set", "maxmemory-policy", "noeviction"]);
+    RedisStore::connect(&server.url())
+        .await
+        .expect("noeviction passes");
+}
+
+#[tokio::test]
+async fn eviction_guard_falls_back_to_info_when_config_is_renamed() {
+    let config = "rename-command CONFIG \"\"\nmaxmemory-policy allkeys-lru\n";
+    let Some(server) = RedisServer::start_with_config(config, &[]) else {
+        return;
+    };
+    let denied = server.cli(&["config", "get", "maxmemory-policy"]);
+    assert!(
+        denied.contains("unknown command"),
+        "CONFIG should be disabled: {denied}"
+    );
+    let err = RedisStore::connect(&server.url()).await.unwrap_err();
+    match &err {
+        SetupError::EvictionPolicy { policy, .. } => assert_eq!(policy, "allkeys-lru"),
+        other => panic!("expected EvictionPolicy from INFO, got {other:?}"),
+    }
+
+    let config = "rename-command CONFIG \"\"\nmaxmemory-policy noeviction\n";
+    let Some(ok) = RedisServer::start_with_config(config, &[]) else {
+        return;
+    };
+    let store = RedisStore::connect(&ok.url())
+        .await
+        .expect("noeviction read from INFO");
+    claim_token(&store, &unique_id("info")).await;
+}
+
+#[tokio::test]
+async fn full_redis_refuses_new_claims_and_still_replays_old_records() {
+    let Some(server) = tiny_server() else { return };
+    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let old = unique_id("old");
+    let token = claim_token(&store, &old).await;
+    store
+        .complete(&old, &token, &response(201, "kept"), TTL)
+        .await
+        .unwrap();
+    let pending = unique_id("pending");
+    let pending_token = claim_token(&store, &pending).await;
+
+    // Fill Redis behind the store's back until it refuses writes.
+    let mut con = admin(&server).await;
+    let filler = vec![b'x'; 4 * 1024];
+    let mut refused = None;
+    for i in 0..10_000 {
+        let r: redis::RedisResult<()> = redis::cmd("SET")
+            .arg(format!("filler:{i}"))
+            .arg(&filler)
+            .query_async(&mut con)
+            .await;
+        if let Err(e) = r {
+            refused = Some(e);
+            break;
+        }
+    }
+    let refused = refused.expect("Redis never filled up");
+    assert_eq!(refused.code(), Some("OOM"), "{refused:?}");
+    // Right at the limit, freed client buffers can bring Redis back under it for a moment.
+    // Lower the limit below what the data holds, so Redis stays full for the rest of the test.
+    let info: String = redis::cmd("INFO")
+        .arg("memory")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let used: u64 = info
+        .lines()
+        .find_map(|l| l.strip_prefix("used_memory:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap();
+    let () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory")
+        .arg(used - 512 * 1024)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+
+    let new = unique_id("new");
+    let err = store.claim(&new, &fp(1), LEASE, TTL).await.unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::Full, "{err:?}");
+    assert!(
+        std::error::Error::source(&err).is_some(),
+        "the OOM error is kept as the source"
+    );
+    assert!(
+        store.get(&new).await.unwrap().is_none(),
+        "a refused claim writes nothing"
+    );
+
+    // Old records replay, through claim and get.
+    match store.claim(&old, &fp(1), LEASE, TTL).await.unwrap() {
+        ClaimOutcome::Existing(r) => {
+            assert_eq!(r.state, RecordState::Completed(response(201, "kept")))
+        }
+        other @ ClaimOutcome::Claimed(_) => panic!("replay on a full Redis: {other:?}"),
+    }
+    let got = store.get(&old).await.unwrap().unwrap();
+    assert_eq!(got.state, RecordState::Completed(response(201, "kept")));
+
+    // A completion is a write too; a release frees memory and still works.
+    let err = store
+        .complete(&pending, &pending_token, &response(200, "late"), TTL)
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::Full, "{err:?}");
+    store.release(&pending, &pending_token).await.unwrap();
+    assert!(store.get(&pending).await.unwrap().is_none());
+}
+
+#[tokio::test]
+async fn flushed_scripts_are_reloaded_between_claim_and_complete() {
+    let Some(server) = RedisServer::start(&[]) else {
+        return;
+    };
+    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let id = unique_id("noscript");
+    let token = claim_token(&store, &id).await;
+    assert_eq!(server.cli(&["script", "flush"]).trim(), "OK");
+    store
+        .complete(&id, &token, &response(200, "after flush"), TTL)
+        .await
+        .unwrap();
+    assert_eq!(
+        store.get(&id).await.unwrap().unwrap().state,
+        RecordState::Completed(response(200, "after flush"))
+    );
+    assert!(server
+        .cli(&["info", "commandstats"])
+        .contains("cmdstat_script|load"));
+}
+
+#[tokio::test]
+async fn a_restarted_redis_fails_closed_then_serves_again() {
+    let Some(mut server) = RedisServer::start(&[]) else {
+        return;
+    };
+    let store = RedisStore::builder()
+        .with_timeout(Duration::from_millis(500))
+        .connect(&server.url())
+        .await
+        .unwrap();
+    claim_token(&store, &unique_id("before")).await;
+
+    server.stop();
+    let during = unique_id("during");
+    let err = store.claim(&during, &fp(1), LEASE, TTL).await.unwrap_err();
+    assert!(
+        matches!(
+            err.kind(),
+            StoreErrorKind::Unavailable | StoreErrorKind::Unknown
+        ),
+        "a claim while Redis is down must fail closed: {err:?}"
+    );
+
+    server.restart();
+    // The ConnectionManager reconnects in the background; wait for it, bounded.
+    let after = unique_id("after");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let token = loop {
+        match store.claim(&after, &fp(1), LEASE, TTL).await {
+            Ok(ClaimOutcome::Claimed(c)) => break c.token,
+            Ok(other) => panic!("fresh key after restart: {other:?}"),
+            Err(e) => {
+                assert!(Instant::now() < deadline, "never reconnected: {e:?}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    store
+        .complete(&after, &token, &response(200, "back"), TTL)
+        .await
+        .unwrap();
+    assert!(store.get(&after).await.unwrap().is_some());
+}
+
+/// Reads `INFO commandstats` into (command, calls).
+async fn command_calls(con: &mut redis::aio::MultiplexedConnection) -> Vec<(String, u64)> {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(con)
+        .await
+        .unwrap();
+    info.lines()
+        .filter_map(|l| {
+            let (name, rest) = l.strip_prefix("cmdstat_")?.split_once(':')?;
+            let calls = rest
+                .strip_prefix("calls=")?
+                .split(',')
+                .next()?
+                .parse()
+                .ok()?;
+            Some((name.to_owned(), calls))
+        })
+        .collect()
+}
+
+/// Commands the store sent since the last `CONFIG RESETSTAT`, not counting the ones the
+/// scripts ran inside Redis (which `commandstats` counts too) nor this test's own.
+async fn sent_by_store(con: &mut redis::aio::MultiplexedConnection) -> u64 {
+    let calls = command_calls(con).await;
+    let of = |name: &str| calls.iter().find(|(n, _)| n == name).map_or(0, |(_, c)| *c);
+    // Every script reads its record with exactly one HMGET, so more HMGETs than script calls
+    // would be a top-level HMGET sent by the store: counted below.
+    let scripts = of("evalsha") + of("eval");
+    let extra_hmget = of("hmget").saturating_sub(scripts);
+    let inside_scripts = ["time", "hmget", "hset", "pttl", "pexpire", "del"];
+    let ours = ["config|resetstat", "info"];
+    calls
+        .iter()
+        .filter(|(n, _)| !inside_scripts.contains(&n.as_str()) && !ours.contains(&n.as_str()))
+        .map(|(_, c)| c)
+        .sum::<u64>()
+        + extra_hmget
+}
+
+async fn reset_stats(con: &mut redis::aio::MultiplexedConnection) {
+    let () = redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query_async(con)
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn new_requests_cost_two_round_trips_replays_and_conflicts_one() {
+    let Some(server) = RedisServer::start(&[]) else {
+        return;
+    };
+    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let mut con = admin(&server).await;
+
+    reset_stats(&mut con).await;
+    let id = unique_id("trips");
+    let token = claim_token(&store, &id).await;
+    store
+        .complete(&id, &token, &response(201, "once"), TTL)
+        .await
+        .unwrap();
+    assert_eq!(
+        sent_by_store(&mut con).await,
+        2,
+        "new request: claim + complete"
+    );
+
+    reset_stats(&mut con).await;
+    match store.claim(&id, &fp(1), LEASE, TTL).await.unwrap() {
+        ClaimOutcome::Existing(r) => assert!(matches!(r.state, RecordState::Completed(_))),
+        other @ ClaimOutcome::Claimed(_) => panic!("{other:?}"),
+    }
+    assert_eq!(sent_by_store(&mut con).await, 1, "replay: one claim");
+
+    let busy = unique_id("busy");
+    claim_token(&store, &busy).await;
+    reset_stats(&mut con).await;
+    match store.claim(&busy, &fp(1), LEASE, TTL).await.unwrap() {
+        ClaimOutcome::Existing(r) => assert!(matches!(r.state, RecordState::InProgress { .. })),
+        other @ ClaimOutcome::Claimed(_) => panic!("{other:?}"),
+    }
+    assert_eq!(sent_by_store(&mut con).await, 1, "conflict: one claim");
+}
+
+/// Pauses every client of `server` for `pause`; returns once the pause is in force.
+async fn pause_clients(server: &RedisServer, pause: Duration) -> redis::aio::MultiplexedConnection {
+    let mut con = admin(server).await;
+    let () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(pause.as_millis() as u64)
+        .arg("ALL")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    con
+}
+
+#[tokio::test]
+async fn timed_out_claims_are_read_back_and_exactly_one_holds_the_key() {
+    let Some(server) = RedisServer::start(&[]) else {
+        return;
+    };
+    let timeout = Duration::from_millis(600);
+    let url = server.url();
+    let connect = || RedisStore::builder().with_timeout(timeout).connect(&url);
+    let (a, b) = (connect().await.unwrap(), connect().await.unwrap());
+    let f = fp(1);
+    let id = unique_id("lost-reply");
+
+    // Both claims time out while Redis holds them; each read-back runs right after its own
+    // claim, on the same connection, once the pause ends (900 ms, inside the read-back's 600).
+    let _admin = pause_clients(&server, Duration::from_millis(900)).await;
+    let started = Instant::now();
+    let (ra, rb) = tokio::join!(a.claim(&id, &f, LEASE, TTL), b.claim(&id, &f, LEASE, TTL));
+    assert!(
+        started.elapsed() >= timeout,
+        "the claims should have timed out first"
+    );
+    let outcomes = [ra.expect("claim a"), rb.expect("claim b")];
+    let claimed: Vec<_> = outcomes
+        .iter()
+        .filter_map(|o| match o {
+            ClaimOutcome::Claimed(c) => Some(c.token),
+            ClaimOutcome::Existing(_) => None,
+        })
+        .collect();
+    assert_eq!(
+        claimed.len(),
+        1,
+        "exactly one read-back recognises its nonce: {outcomes:?}"
+    );
+    let rec = a.get(&id).await.unwrap().unwrap();
+    assert_eq!(rec.generation, claimed[0].generation());
+    // The recognised token really holds the key.
+    a.complete(&id, &claimed[0], &response(200, "mine"), TTL)
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn a_claim_that_cannot_be_read_back_is_unknown_never_claimed() {
+    let Some(server) = RedisServer::start(&[]) else {
+        return;
+    };
+    let store = RedisStore::builder()
+        .with_timeout(Duration::from_millis(300))
+        .connect(&server.url())
+        .await
+        .unwrap();
+    let id = unique_id("unknown");
+    let mut admin = pause_clients(&server, Duration::from_millis(1500)).await;
+    let err = store.claim(&id, &fp(1), LEASE, TTL).await.unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::Unknown, "{err:?}");
+    assert!(std::error::Error::source(&err).is_some());
+
+    // The claim landed once the pause ended: nobody holds it, and it is not handed out again
+    // until its lease lapses.
+    let () = redis::cmd("PING")
+        .query_async(&mut admin)
+        .await
+        .map(|_: String| ())
+        .unwrap();
+    match store.claim(&id, &fp(1), LEASE, TTL).await.unwrap() {
+        ClaimOutcome::Existing(r) => assert!(matches!(r.state, RecordState::InProgress { .. })),
+        other @ ClaimOutcome::Claimed(_) => {
+            panic!("the stranded claim must not be handed out: {other:?}")
+        }
+    }
+}
+
+#[tokio::test]
+async fn timed_out_writes_are_read_back_before_answering() {
+    let Some(server) = RedisServer::start(&[]) else {
+        return;
+    };
+    let store = RedisStore::builder()
+        .with_timeout(Duration::from_millis(600))
+        .connect(&server.url())
+        .await
+        .unwrap();
+    let pause = Duration::from_millis(900);
+    // Past the 600 ms timeout, an answer can only come from the read-back.
+    let read_back = |started: Instant| {
+        assert!(
+            started.elapsed() >= Duration::from_millis(600),
+            "the call did not time out"
+        );
+    };
+
+    // Each call times out during the pause; its read-back runs right after it once the pause
+    // ends, sees the call took effect (or that it did not and it may be sent again), and answers.
+    let done = unique_id("late-complete");
+    let token = claim_token(&store, &done).await;
+    let _admin = pause_clients(&server, pause).await;
+    let started = Instant::now();
+    store
+        .complete(&done, &token, &response(201, "late"), TTL)
+        .await
+        .expect("a complete that landed is done");
+    read_back(started);
+    assert_eq!(
+        store.get(&done).await.unwrap().unwrap().state,
+        RecordState::Completed(response(201, "late"))
+    );
+
+    let renewed = unique_id("late-extend");
+    let token = claim_token(&store, &renewed).await;
+    let _admin = pause_clients(&server, pause).await;
+    let started = Instant::now();
+    store.extend(&renewed, &token, LEASE).await.expect("extend");
+    read_back(started);
+
+    let freed = unique_id("late-release");
+    let token = claim_token(&store, &freed).await;
+    let _admin = pause_clients(&server, pause).await;
+    let started = Instant::now();
+    store.release(&freed, &token).await.expect("release");
+    read_back(started);
+    assert!(store.get(&freed).await.unwrap().is_none());
+}
+
+#[tokio::test]
+async fn wait_confirms_replicas_and_a_shortfall_fails_and_releases() {
+    let Some(primary) = RedisServer::start(&[]) else {
+        return;
+    };
+    let port = primary.port().to_string();
+    let Some(_replica) = RedisServer::start(&["--replicaof", "127.0.0.1", &port]) else {
+        return;
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !primary
+        .cli(&["info", "replication"])
+        .contains("state=online")
+    {
+        assert!(Instant::now() < deadline, "replica never came online");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    let one = RedisStore::builder()
+        .with_wait(NonZeroU32::new(1).unwrap(), Duration::from_secs(2))
+        .connect(&primary.url())
+        .await
+        .unwrap();
+    let id = unique_id("wait");
+    let token = claim_token(&one, &id).await;
+    one.complete(&id, &token, &response(201, "replicated"), TTL)
+        .await
+        .unwrap();
+
+    let two = RedisStore::builder()
+        .with_wait(NonZeroU32::new(2).unwrap(), Duration::from_millis(200))
+        .connect(&primary.url())
+        .await
+        .unwrap();
+    let short = unique_id("short");
+    let err = two.claim(&short, &fp(1), LEASE, TTL).await.unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::Unavailable, "{err:?}");
+    let source =
+        std::error::Error::source(&err).and_then(|s| s.downcast_ref::<ReplicationShortfall>());
+    assert_eq!(
+        source,
+        Some(&ReplicationShortfall {
+            acknowledged: 1,
+            wanted: 2
+        })
+    );
+    assert!(
+        two.get(&short).await.unwrap().is_none(),
+        "an unreplicated claim is released"
+    );
+}
