@@ -1,0 +1,204 @@
+//! `IdempotencyLayer` over `RedisStore`: what a client sees when Redis is slow, full or down.
+#![cfg(feature = "redis")]
+
+mod common;
+mod redis_harness;
+mod support;
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::Full;
+use redis_harness::RedisServer;
+use support::{body_bytes, post};
+use tokio::sync::{Barrier, Notify};
+use tower::{service_fn, util::BoxCloneService, Layer, ServiceExt};
+use tower_idempotency::store::redis::RedisStore;
+use tower_idempotency::{ErrorKind, IdempotencyError, IdempotencyLayer, RequestBody, ResponseBody};
+
+type Svc = BoxCloneService<Request<Full<Bytes>>, Response<ResponseBody<Full<Bytes>>>, Infallible>;
+
+/// A handler that counts its calls and, on `/gated`, waits for `gate`.
+fn service(store: RedisStore, calls: Arc<AtomicUsize>, gate: Arc<Notify>) -> Svc {
+    let inner = service_fn(move |req: Request<RequestBody<Full<Bytes>>>| {
+        let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
+        let gate = gate.clone();
+        async move {
+            if req.uri().path() == "/gated" {
+                gate.notified().await;
+            }
+            let mut res = Response::new(Full::new(Bytes::from(format!("pay_{n}"))));
+            *res.status_mut() = StatusCode::CREATED;
+            Ok::<_, Infallible>(res)
+        }
+    });
+    BoxCloneService::new(IdempotencyLayer::new(store).layer(inner))
+}
+
+fn unique(label: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("{label}-{}-{nanos}", std::process::id())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn twenty_duplicates_over_redis_run_once() {
+    let Some(url) = common::backend_url("IDEMPOTENCY_TEST_REDIS_URL") else {
+        return;
+    };
+    let store = RedisStore::connect(&url).await.unwrap();
+    let (calls, gate) = (Arc::new(AtomicUsize::new(0)), Arc::new(Notify::new()));
+    let svc = service(store, calls.clone(), gate.clone());
+    let key = unique("double-click");
+    let barrier = Arc::new(Barrier::new(20));
+    let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel();
+    for _ in 0..20 {
+        let (svc, barrier, key, done_tx) =
+            (svc.clone(), barrier.clone(), key.clone(), done_tx.clone());
+        tokio::spawn(async move {
+            barrier.wait().await;
+            let res = svc.oneshot(post("/gated", Some(&key), "{}")).await.unwrap();
+            let status = res.status().as_u16();
+            done_tx.send((status, body_bytes(res).await)).unwrap();
+        });
+    }
+    // 19 answers come back while the winner is held at the gate; then let it finish.
+    let mut by_status = BTreeMap::new();
+    for _ in 0..19 {
+        let (status, _) = done_rx.recv().await.unwrap();
+        *by_status.entry(status).or_insert(0) += 1;
+    }
+    assert_eq!(by_status, BTreeMap::from([(409, 19)]));
+    gate.notify_one();
+    let (status, body) = done_rx.recv().await.unwrap();
+    assert_eq!((status, body), (201, Bytes::from("pay_1")));
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+
+    let replay = svc.oneshot(post("/gated", Some(&key), "{}")).await.unwrap();
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    assert_eq!(body_bytes(replay).await, "pay_1");
+}
+
+#[tokio::test]
+async fn a_full_redis_answers_503_without_running_and_still_replays() {
+    let Some(server) =
+        RedisServer::start(&["--maxmemory", "4mb", "--maxmemory-policy", "noeviction"])
+    else {
+        return;
+    };
+    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let svc = service(store, calls.clone(), Arc::new(Notify::new()));
+    assert_eq!(
+        svc.clone()
+            .oneshot(post("/x", Some("old"), "{}"))
+            .await
+            .unwrap()
+            .status(),
+        201
+    );
+
+    // Fill Redis behind the layer's back, then hold it below what it uses.
+    let filler = "x".repeat(4096);
+    for i in 0.. {
+        let out = server.cli(&["set", &format!("filler:{i}"), &filler]);
+        if out.contains("OOM") {
+            break;
+        }
+        assert!(i < 10_000, "Redis never filled up");
+    }
+    let used: u64 = server
+        .cli(&["info", "memory"])
+        .lines()
+        .find_map(|l| l.strip_prefix("used_memory:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap();
+    server.cli(&[
+        "config",
+        "set",
+        "maxmemory",
+        &(used - 512 * 1024).to_string(),
+    ]);
+
+    let res = svc
+        .clone()
+        .oneshot(post("/x", Some("new"), "{}"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 503);
+    assert_eq!(res.headers()["retry-after"], "1");
+    assert_eq!(
+        res.extensions().get::<IdempotencyError>().unwrap().kind(),
+        ErrorKind::StoreUnavailable
+    );
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        1,
+        "the inner service did not run for the new key"
+    );
+
+    let replay = svc.oneshot(post("/x", Some("old"), "{}")).await.unwrap();
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    assert_eq!(body_bytes(replay).await, "pay_1");
+}
+
+#[tokio::test]
+async fn a_restarting_redis_fails_closed_then_serves_after_the_reconnect() {
+    let Some(mut server) = RedisServer::start(&[]) else {
+        return;
+    };
+    let store = RedisStore::builder()
+        .with_timeout(Duration::from_millis(500))
+        .connect(&server.url())
+        .await
+        .unwrap();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let svc = service(store, calls.clone(), Arc::new(Notify::new()));
+    assert_eq!(
+        svc.clone()
+            .oneshot(post("/x", Some("before"), "{}"))
+            .await
+            .unwrap()
+            .status(),
+        201
+    );
+
+    server.stop();
+    let res = svc
+        .clone()
+        .oneshot(post("/x", Some("during"), "{}"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 503, "fail closed while Redis is down");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+
+    server.restart();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let res = svc
+            .clone()
+            .oneshot(post("/x", Some("during"), "{}"))
+            .await
+            .unwrap();
+        if res.status() == 201 {
+            break;
+        }
+        assert_eq!(res.status(), 503);
+        assert!(Instant::now() < deadline, "never reconnected");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        2,
+        "the retried key ran once after the restart"
+    );
+    let replay = svc.oneshot(post("/x", Some("during"), "{}")).await.unwrap();
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+}
