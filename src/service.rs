@@ -517,10 +517,11 @@ impl Keyed {
                         outcome("executed");
                         let stored = StoredResponse {
                             status: parts.status,
-                            headers: response::recorded_headers(
-                                &parts.headers,
-                                &cfg.recorded_headers,
-                            ),
+                            headers: if self.flow.grpc {
+                                response::grpc_recorded_headers(&parts.headers)
+                            } else {
+                                response::recorded_headers(&parts.headers, &cfg.recorded_headers)
+                            },
                             body: data.clone(),
                             trailers: trailers.clone(),
                         };
