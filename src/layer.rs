@@ -259,6 +259,9 @@ impl IdempotencyLayer {
     }
 
     /// Records and replays `name` too, beyond the default allow-list.
+    ///
+    /// HTTP only: a gRPC record keeps every response header but the connection's own, see
+    /// the [tonic guide](crate::tonic_guide#recording-and-replay).
     pub fn with_recorded_header(self, name: HeaderName) -> Self {
         self.edit(|c| {
             if !c.recorded_headers.contains(&name) {
