@@ -6,7 +6,6 @@
 mod app;
 
 use std::num::NonZeroUsize;
-use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -222,37 +221,6 @@ fn retry_delay(status: &Status) -> Duration {
     let info = RetryInfo::decode(&rpc.details[0].value[..]).expect("RetryInfo");
     let d = info.retry_delay.expect("retry_delay");
     Duration::new(d.seconds as u64, d.nanos as u32)
-}
-
-// ---------------------------------------------------------------------------------------
-// Generated code
-// ---------------------------------------------------------------------------------------
-
-/// Regenerates `examples/grpc/generated` into a temp dir with protox and tonic-prost-build
-/// and compares it with the committed copy. `UPDATE_GENERATED=1` rewrites the committed copy.
-#[test]
-fn committed_generated_code_matches_the_proto() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let fds = protox::compile(["shop.proto"], [root.join("examples/proto")]).unwrap();
-    let out =
-        std::env::temp_dir().join(format!("tower-idempotency-codegen-{}", std::process::id()));
-    std::fs::create_dir_all(&out).unwrap();
-    tonic_prost_build::configure()
-        .out_dir(&out)
-        .compile_fds(fds)
-        .unwrap();
-    let fresh = std::fs::read_to_string(out.join("shop.v1.rs")).unwrap();
-    std::fs::remove_dir_all(&out).unwrap();
-    let committed_path = root.join("examples/grpc/generated/shop.v1.rs");
-    if std::env::var("UPDATE_GENERATED").as_deref() == Ok("1") {
-        std::fs::write(&committed_path, &fresh).unwrap();
-    }
-    let committed = std::fs::read_to_string(&committed_path).unwrap_or_default();
-    assert!(
-        committed == fresh,
-        "examples/grpc/generated/shop.v1.rs is stale: run \
-         `UPDATE_GENERATED=1 cargo test --test grpc committed_generated_code`"
-    );
 }
 
 // ---------------------------------------------------------------------------------------
@@ -547,14 +515,17 @@ async fn a_call_past_its_grpc_timeout_still_records_and_the_retry_replays() {
     let gate = CardGate::new();
     let (h, dropped) = start_probed(gate.clone()).await;
     let mut req = payment(Some("k-deadline"), 1000);
-    req.set_timeout(Duration::from_millis(100));
-    let status = h.client.clone().create_payment(req).await.unwrap_err();
+    // Generous, so the call reaches the card network long before it passes.
+    req.set_timeout(Duration::from_millis(500));
+    let mut client = h.client.clone();
+    let call = tokio::spawn(async move { client.create_payment(req).await });
+    gate.arrived().await;
+    let status = call.await.unwrap().unwrap_err();
     assert!(
         matches!(status.code(), Code::Cancelled | Code::DeadlineExceeded),
         "{status:?}"
     );
     dropped.notified().await; // tonic's timeout dropped the layer's future
-    assert_eq!(h.shop.card_calls(), 1);
     gate.open(1);
 
     let retry = h
