@@ -602,6 +602,70 @@ async fn a_server_stream_over_the_response_limit_streams_once_then_is_tombstoned
 }
 
 // ---------------------------------------------------------------------------------------
+// Client streaming
+// ---------------------------------------------------------------------------------------
+
+fn import(
+    key: &str,
+    amounts: &[i64],
+) -> Request<impl tokio_stream::Stream<Item = CreatePaymentRequest> + Send + 'static> {
+    let messages: Vec<_> = amounts
+        .iter()
+        .map(|&amount| CreatePaymentRequest {
+            amount,
+            currency: "EUR".to_owned(),
+        })
+        .collect();
+    let mut req = Request::new(tokio_stream::iter(messages));
+    req.metadata_mut()
+        .insert("idempotency-key", key.parse().unwrap());
+    req
+}
+
+#[tokio::test]
+async fn a_client_stream_is_buffered_whole_recorded_and_replayed() {
+    let h = start(config(None), |l| l).await;
+    let mut client = h.client.clone();
+    let one = client
+        .import_payments(import("k-import", &[100, 402, 300]))
+        .await
+        .unwrap();
+    assert_eq!(one.get_ref().count, 2);
+    assert!(!replayed(&one));
+    let two = client
+        .import_payments(import("k-import", &[100, 402, 300]))
+        .await
+        .unwrap();
+    assert!(replayed(&two));
+    assert_eq!(two.get_ref(), one.get_ref());
+    // The fingerprint covers the whole request stream.
+    let status = client
+        .import_payments(import("k-import", &[100, 402]))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::FailedPrecondition);
+    assert_eq!(h.charges().await, 2);
+    assert_eq!(h.shop.card_calls(), 3);
+}
+
+#[tokio::test]
+async fn a_client_stream_over_the_grpc_request_limit_is_resource_exhausted() {
+    let h = start(config(None), |l| {
+        l.with_max_grpc_request_body(NonZeroUsize::new(64).unwrap())
+    })
+    .await;
+    // Ten messages of about 12 bytes each, framed: past 64 bytes while being read.
+    let status = h
+        .client
+        .clone()
+        .import_payments(import("k-import-big", &[100; 10]))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert_eq!(h.shop.card_calls(), 0);
+}
+
+// ---------------------------------------------------------------------------------------
 // Attaching, and a store that is down
 // ---------------------------------------------------------------------------------------
 

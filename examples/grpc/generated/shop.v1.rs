@@ -189,6 +189,30 @@ pub mod payments_client {
                 .insert(GrpcMethod::new("shop.v1.Payments", "CreatePayments"));
             self.inner.server_streaming(req, path, codec).await
         }
+        /// Charges every payment the client streams, then answers how many were charged.
+        pub async fn import_payments(
+            &mut self,
+            request: impl tonic::IntoStreamingRequest<
+                Message = super::CreatePaymentRequest,
+            >,
+        ) -> std::result::Result<tonic::Response<super::ChargeCount>, tonic::Status> {
+            self.inner
+                .ready()
+                .await
+                .map_err(|e| {
+                    tonic::Status::unknown(
+                        format!("Service was not ready: {}", e.into()),
+                    )
+                })?;
+            let codec = tonic_prost::ProstCodec::default();
+            let path = http::uri::PathAndQuery::from_static(
+                "/shop.v1.Payments/ImportPayments",
+            );
+            let mut req = request.into_streaming_request();
+            req.extensions_mut()
+                .insert(GrpcMethod::new("shop.v1.Payments", "ImportPayments"));
+            self.inner.client_streaming(req, path, codec).await
+        }
     }
 }
 /// Generated server implementations.
@@ -228,6 +252,11 @@ pub mod payments_server {
             tonic::Response<Self::CreatePaymentsStream>,
             tonic::Status,
         >;
+        /// Charges every payment the client streams, then answers how many were charged.
+        async fn import_payments(
+            &self,
+            request: tonic::Request<tonic::Streaming<super::CreatePaymentRequest>>,
+        ) -> std::result::Result<tonic::Response<super::ChargeCount>, tonic::Status>;
     }
     #[derive(Debug)]
     pub struct PaymentsServer<T> {
@@ -437,6 +466,53 @@ pub mod payments_server {
                                 max_encoding_message_size,
                             );
                         let res = grpc.server_streaming(method, req).await;
+                        Ok(res)
+                    };
+                    Box::pin(fut)
+                }
+                "/shop.v1.Payments/ImportPayments" => {
+                    #[allow(non_camel_case_types)]
+                    struct ImportPaymentsSvc<T: Payments>(pub Arc<T>);
+                    impl<
+                        T: Payments,
+                    > tonic::server::ClientStreamingService<super::CreatePaymentRequest>
+                    for ImportPaymentsSvc<T> {
+                        type Response = super::ChargeCount;
+                        type Future = BoxFuture<
+                            tonic::Response<Self::Response>,
+                            tonic::Status,
+                        >;
+                        fn call(
+                            &mut self,
+                            request: tonic::Request<
+                                tonic::Streaming<super::CreatePaymentRequest>,
+                            >,
+                        ) -> Self::Future {
+                            let inner = Arc::clone(&self.0);
+                            let fut = async move {
+                                <T as Payments>::import_payments(&inner, request).await
+                            };
+                            Box::pin(fut)
+                        }
+                    }
+                    let accept_compression_encodings = self.accept_compression_encodings;
+                    let send_compression_encodings = self.send_compression_encodings;
+                    let max_decoding_message_size = self.max_decoding_message_size;
+                    let max_encoding_message_size = self.max_encoding_message_size;
+                    let inner = self.inner.clone();
+                    let fut = async move {
+                        let method = ImportPaymentsSvc(inner);
+                        let codec = tonic_prost::ProstCodec::default();
+                        let mut grpc = tonic::server::Grpc::new(codec)
+                            .apply_compression_config(
+                                accept_compression_encodings,
+                                send_compression_encodings,
+                            )
+                            .apply_max_message_size_config(
+                                max_decoding_message_size,
+                                max_encoding_message_size,
+                            );
+                        let res = grpc.client_streaming(method, req).await;
                         Ok(res)
                     };
                     Box::pin(fut)
