@@ -1,3 +1,5 @@
+//! Run with: `cargo run --example grpc` (see `main.rs`).
+//!
 //! The gRPC shop's server, shared by `main.rs` and `tests/grpc.rs`.
 
 use std::pin::Pin;
