@@ -8,6 +8,9 @@
 //! - `application/x-www-form-urlencoded`: the decoded pairs, sorted;
 //! - anything else: the raw bytes.
 //!
+//! A gRPC request (`application/grpc`, `+proto`, `+json`) hashes the path, the raw message
+//! frames and its `grpc-encoding` (absent is `identity`).
+//!
 //! Canonicalising must never make two different requests equal. A JSON body with duplicate
 //! keys, a lone surrogate, a number beyond 2^53 in magnitude, a number whose literal is not
 //! exactly the double it parses to, invalid UTF-8 or syntax, or nesting deeper than [`MAX_DEPTH`] is
@@ -23,6 +26,7 @@ use std::cmp::Ordering;
 use http::{request, HeaderMap, HeaderName};
 use sha2::{Digest, Sha256};
 
+use crate::policy::is_grpc;
 use crate::record::Fingerprint;
 
 /// Deeper JSON is hashed raw: bounds recursion on hostile input.
@@ -139,7 +143,10 @@ pub(crate) fn fingerprint(
     let media = media_type(&parts.headers);
     h.field(media.as_bytes());
 
+    // gRPC bodies are length-prefixed message frames, even `application/grpc+json`: raw.
+    let grpc = is_grpc(&parts.headers);
     let canonical = match kind_of(&media) {
+        _ if grpc => None,
         BodyKind::Json => canonical_json(body, &config.excluded).map(|c| (BodyKind::Json, c)),
         BodyKind::Form => canonical_form(body).map(|c| (BodyKind::Form, c)),
         BodyKind::Raw => None,
@@ -153,6 +160,18 @@ pub(crate) fn fingerprint(
             h.field(BodyKind::Raw.tag());
             h.field(body);
         }
+    }
+    if grpc {
+        // The same frame bytes under another `grpc-encoding` are another message. Absent
+        // means `identity`. Only gRPC requests hash this field, so HTTP fingerprints are
+        // unchanged.
+        let encoding = parts
+            .headers
+            .get("grpc-encoding")
+            .map_or(&b"identity"[..], |v| v.as_bytes())
+            .to_ascii_lowercase();
+        h.field(b"grpc-encoding");
+        h.field(&encoding);
     }
 
     for name in &config.headers {
@@ -837,6 +856,39 @@ mod tests {
         assert!(JsonPointer::parse("").is_err());
         assert!(JsonPointer::parse("a").is_err());
         assert!(JsonPointer::parse("/a~2").is_err());
+    }
+
+    fn grpc_fp(path: &str, content_type: &str, encoding: Option<&str>, body: &[u8]) -> Fingerprint {
+        let mut req = http::Request::post(path).header("content-type", content_type);
+        if let Some(e) = encoding {
+            req = req.header("grpc-encoding", e);
+        }
+        let (parts, ()) = req.body(()).unwrap().into_parts();
+        fingerprint(&parts, body, &FingerprintConfig::default())
+    }
+
+    #[test]
+    fn grpc_fingerprints_cover_path_raw_frames_and_grpc_encoding() {
+        let frame = b"\0\0\0\0\x02\x08\x01";
+        let p = "/shop.v1.Payments/CreatePayment";
+        let base = grpc_fp(p, "application/grpc", None, frame);
+        assert_eq!(
+            base,
+            grpc_fp(p, "application/grpc", Some("identity"), frame)
+        );
+        assert_ne!(base, grpc_fp(p, "application/grpc", Some("gzip"), frame));
+        assert_ne!(
+            base,
+            grpc_fp("/shop.v1.Payments/Refund", "application/grpc", None, frame)
+        );
+        assert_ne!(
+            base,
+            grpc_fp(p, "application/grpc", None, b"\0\0\0\0\x02\x08\x02")
+        );
+        // `+json` frames are hashed raw: another spacing is another request.
+        let a = grpc_fp(p, "application/grpc+json", None, b"\0\0\0\0\x02{}");
+        let b = grpc_fp(p, "application/grpc+json", None, b"\0\0\0\0\x03{ }");
+        assert_ne!(a, b);
     }
 
     #[test]

@@ -88,7 +88,42 @@ pub(crate) struct Config {
     pub(crate) fail_open: bool,
     pub(crate) wait: Option<Duration>,
     pub(crate) renderer: Option<Renderer>,
+    pub(crate) max_grpc_request_body: usize,
+    pub(crate) grpc_methods: Option<Vec<String>>,
     pub(crate) grpc_passthrough: Vec<String>,
+}
+
+/// gRPC services that never need a key, passed through by default: health checks (probes
+/// send no key) and server reflection (a bidirectional stream).
+pub(crate) const DEFAULT_GRPC_PASSTHROUGH: [&str; 3] = [
+    "/grpc.health.v1.Health/",
+    "/grpc.reflection.v1.ServerReflection/",
+    "/grpc.reflection.v1alpha.ServerReflection/",
+];
+
+/// `pattern` names one method (`/pkg.Service/Method`) or, ending in `/`, a whole service.
+fn grpc_path_matches(pattern: &str, path: &str) -> bool {
+    if pattern.ends_with('/') {
+        path.starts_with(pattern)
+    } else {
+        path == pattern
+    }
+}
+
+impl Config {
+    /// Whether a gRPC request to `path` is protected: in `grpc_methods` (all when unset)
+    /// and not in `grpc_passthrough`.
+    pub(crate) fn grpc_protected(&self, path: &str) -> bool {
+        let listed = self
+            .grpc_methods
+            .as_ref()
+            .is_none_or(|m| m.iter().any(|p| grpc_path_matches(p, path)));
+        listed
+            && !self
+                .grpc_passthrough
+                .iter()
+                .any(|p| grpc_path_matches(p, path))
+    }
 }
 
 /// Makes keyed requests safe to retry: the inner service runs at most once per
@@ -120,8 +155,9 @@ impl fmt::Debug for IdempotencyLayer {
 
 impl IdempotencyLayer {
     /// A layer over `store` with the defaults: `Idempotency-Key` required on `POST` and
-    /// `PATCH`, unscoped, 1 MiB request and response limits, a 30 s lease, 24 h retention,
-    /// fail closed, answer 409 while in progress.
+    /// `PATCH` and on every gRPC method (except health checks and reflection), unscoped,
+    /// 1 MiB request and response limits (4 MiB for gRPC requests), a 30 s lease, 24 h
+    /// retention, fail closed, answer 409 (gRPC `ABORTED`) while in progress.
     pub fn new(store: impl IdempotencyStore) -> Self {
         Self::from_arc(Arc::new(store))
     }
@@ -144,7 +180,9 @@ impl IdempotencyLayer {
                 fail_open: false,
                 wait: None,
                 renderer: None,
-                grpc_passthrough: Vec::new(),
+                max_grpc_request_body: 4 << 20,
+                grpc_methods: None,
+                grpc_passthrough: DEFAULT_GRPC_PASSTHROUGH.map(String::from).to_vec(),
             }),
         }
     }
@@ -186,8 +224,17 @@ impl IdempotencyLayer {
     }
 
     /// The largest request body buffered for fingerprinting (default 1 MiB); larger: 413.
+    ///
+    /// gRPC requests have their own limit, [`with_max_grpc_request_body`](Self::with_max_grpc_request_body).
     pub fn with_max_request_body(self, limit: NonZeroUsize) -> Self {
         self.edit(|c| c.max_request_body = limit.get())
+    }
+
+    /// The largest gRPC request buffered (default 4 MiB, tonic's default largest message);
+    /// larger: `RESOURCE_EXHAUSTED`. It bounds the whole request stream, so it is also the
+    /// largest client-streaming request the layer protects.
+    pub fn with_max_grpc_request_body(self, limit: NonZeroUsize) -> Self {
+        self.edit(|c| c.max_grpc_request_body = limit.get())
     }
 
     /// The largest response body recorded (default 1 MiB). A larger one streams to the client
@@ -212,6 +259,9 @@ impl IdempotencyLayer {
     }
 
     /// Records and replays `name` too, beyond the default allow-list.
+    ///
+    /// HTTP only: a gRPC record keeps every response header but the connection's own, see
+    /// the [tonic guide](crate::tonic_guide#recording-and-replay).
     pub fn with_recorded_header(self, name: HeaderName) -> Self {
         self.edit(|c| {
             if !c.recorded_headers.contains(&name) {
@@ -248,11 +298,31 @@ impl IdempotencyLayer {
         self.edit(|c| c.renderer = Some(Arc::new(render)))
     }
 
-    /// Lets a gRPC method path (`/package.Service/Method`) pass through unprotected.
+    /// Protects only these gRPC methods; every other gRPC request passes through untouched.
     ///
-    /// Every gRPC request needs a key by default, and its request stream is buffered whole
-    /// before the handler runs. The layer cannot see whether a method streams, so list the
-    /// bidirectional (and any long client-streaming) methods here.
+    /// By default every gRPC method is protected (except the passthrough list). The layer
+    /// cannot tell a unary method from a streaming one on the wire, so a service with
+    /// streaming methods is safest with an explicit list of the methods that change state.
+    /// Each entry is a method path (`/shop.v1.Payments/CreatePayment`) or, ending in `/`, a
+    /// whole service (`/shop.v1.Payments/`). Calling it again replaces the list.
+    pub fn with_grpc_methods<I, P>(self, paths: I) -> Self
+    where
+        I: IntoIterator<Item = P>,
+        P: Into<String>,
+    {
+        let paths = paths.into_iter().map(Into::into).collect();
+        self.edit(|c| c.grpc_methods = Some(paths))
+    }
+
+    /// Lets a gRPC method (`/package.Service/Method`), or a whole service (`/package.Service/`,
+    /// ending in `/`), pass through unprotected: no key, no buffering, no store call.
+    ///
+    /// A protected gRPC request has its request stream read whole before the handler runs
+    /// and its response stream read whole before the client sees it. The layer cannot see
+    /// whether a method streams, so list here the bidirectional methods (they would wait
+    /// forever for the request to end), long-lived server streams and reads that need no
+    /// key. Health checks (`/grpc.health.v1.Health/`) and server reflection are on the list
+    /// from the start. The list wins over [`with_grpc_methods`](Self::with_grpc_methods).
     pub fn with_grpc_passthrough(self, path: impl Into<String>) -> Self {
         let path = path.into();
         self.edit(|c| c.grpc_passthrough.push(path))
@@ -279,6 +349,46 @@ mod tests {
         assert_eq!(
             (r.lease(), r.ttl()),
             (Duration::from_secs(30), Duration::from_secs(30))
+        );
+    }
+
+    fn config(layer: IdempotencyLayer) -> Config {
+        Arc::try_unwrap(layer.config).unwrap_or_else(|c| (*c).clone())
+    }
+
+    #[test]
+    fn grpc_methods_are_all_protected_except_health_reflection_and_the_passthrough_list() {
+        let store = crate::store::MemoryStore::new();
+        let c = config(IdempotencyLayer::new(store.clone()));
+        assert!(c.grpc_protected("/shop.v1.Payments/CreatePayment"));
+        assert!(!c.grpc_protected("/grpc.health.v1.Health/Check"));
+        assert!(!c.grpc_protected("/grpc.health.v1.Health/Watch"));
+        assert!(!c.grpc_protected("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo"));
+
+        let c = config(
+            IdempotencyLayer::new(store.clone())
+                .with_grpc_passthrough("/shop.v1.Payments/CountCharges")
+                .with_grpc_passthrough("/shop.v1.Chat/"),
+        );
+        assert!(c.grpc_protected("/shop.v1.Payments/CreatePayment"));
+        assert!(!c.grpc_protected("/shop.v1.Payments/CountCharges"));
+        assert!(
+            c.grpc_protected("/shop.v1.Payments/CountChargesAll"),
+            "exact, not a prefix"
+        );
+        assert!(!c.grpc_protected("/shop.v1.Chat/Talk"));
+
+        let c = config(
+            IdempotencyLayer::new(store)
+                .with_grpc_methods(["/shop.v1.Payments/", "/shop.v1.Orders/Create"])
+                .with_grpc_passthrough("/shop.v1.Payments/CountCharges"),
+        );
+        assert!(c.grpc_protected("/shop.v1.Payments/CreatePayment"));
+        assert!(c.grpc_protected("/shop.v1.Orders/Create"));
+        assert!(!c.grpc_protected("/shop.v1.Orders/List"));
+        assert!(
+            !c.grpc_protected("/shop.v1.Payments/CountCharges"),
+            "passthrough wins"
         );
     }
 }

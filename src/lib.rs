@@ -80,7 +80,8 @@
 //! # drop(app);
 //! ```
 //!
-//! `examples/shop` is a complete payments API: `cargo run --example shop`.
+//! `examples/shop` is a complete payments API: `cargo run --example shop`. `examples/grpc` is
+//! the same shop over tonic; [`tonic_guide`] covers gRPC.
 //!
 //! # Choosing a store
 //!
@@ -205,6 +206,9 @@ pub use service::{Idempotency, ResponseFuture};
 /// A server configuration error: the idempotency layer runs before the layer that sets the
 /// scope (usually authentication).
 pub mod problems {}
+
+#[doc = include_str!("docs/tonic.md")]
+pub mod tonic_guide {}
 
 /// Not public API: hooks for the benchmarks.
 #[doc(hidden)]

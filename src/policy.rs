@@ -87,7 +87,8 @@ where
 /// gRPC (decided on `grpc-status`): record `OK`, `ALREADY_EXISTS`, `FAILED_PRECONDITION` and
 /// `OUT_OF_RANGE`; release everything else (`INVALID_ARGUMENT` as HTTP 400, `UNAVAILABLE`,
 /// `RESOURCE_EXHAUSTED`, `ABORTED`, `INTERNAL`, `UNKNOWN`, `DEADLINE_EXCEEDED`, `CANCELLED`,
-/// and the auth, not-found, unimplemented and data-loss codes, as their HTTP kin).
+/// and the auth, not-found, unimplemented and data-loss codes, as their HTTP kin). The
+/// [tonic guide](crate::tonic_guide#recording-and-replay) has the table, code by code.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct DefaultRecordPolicy;
 

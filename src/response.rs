@@ -4,6 +4,7 @@ use bytes::Bytes;
 use http::header::{HeaderValue, CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderMap, HeaderName, Response};
 use http_body::Body;
+use std::time::Duration;
 
 use crate::body::ResponseBody;
 use crate::error::{ErrorKind, IdempotencyError};
@@ -60,20 +61,94 @@ pub(crate) fn grpc_status(err: &IdempotencyError) -> Response<Bytes> {
     if let Some(secs) = err.retry_after_secs() {
         message = format!("{message}; retry after {secs}s");
     }
+    let code = grpc_code(err.kind());
     let mut res = Response::new(Bytes::new());
     let h = res.headers_mut();
     h.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
-    h.insert(
-        "grpc-status",
-        HeaderValue::from(u16::from(grpc_code(err.kind()))),
-    );
+    h.insert("grpc-status", HeaderValue::from(u16::from(code)));
     if let Ok(v) = HeaderValue::from_str(&percent_encode(&message)) {
         h.insert("grpc-message", v);
+    }
+    if let Some(delay) = err.retry_after_duration() {
+        let details = status_with_retry_info(code, &message, delay);
+        if let Ok(v) = HeaderValue::from_str(&base64(&details)) {
+            h.insert("grpc-status-details-bin", v);
+        }
     }
     if let Some(secs) = err.retry_after_secs() {
         h.insert(RETRY_AFTER, HeaderValue::from(secs));
     }
     res
+}
+
+/// A `google.rpc.Status` carrying one `google.rpc.RetryInfo` detail, protobuf-encoded by hand
+/// (a few bytes; not worth a prost dependency for every user):
+///
+/// ```text
+/// Status     { int32 code = 1; string message = 2; repeated Any details = 3; }
+/// Any        { string type_url = 1; bytes value = 2; }
+/// RetryInfo  { Duration retry_delay = 1; }
+/// Duration   { int64 seconds = 1; int32 nanos = 2; }
+/// ```
+///
+/// Fields at their default (zero) are left out, as protobuf encoders do. `tests/grpc.rs`
+/// decodes it with prost.
+fn status_with_retry_info(code: u8, message: &str, delay: Duration) -> Vec<u8> {
+    let mut duration = Vec::new();
+    if delay.as_secs() > 0 {
+        duration.push(0x08); // field 1, varint
+        varint(&mut duration, delay.as_secs());
+    }
+    if delay.subsec_nanos() > 0 {
+        duration.push(0x10); // field 2, varint
+        varint(&mut duration, u64::from(delay.subsec_nanos()));
+    }
+    let mut retry_info = Vec::new();
+    length_delimited(&mut retry_info, 1, &duration);
+    let mut any = Vec::new();
+    length_delimited(&mut any, 1, b"type.googleapis.com/google.rpc.RetryInfo");
+    length_delimited(&mut any, 2, &retry_info);
+    let mut status = Vec::new();
+    if code != 0 {
+        status.push(0x08); // field 1, varint
+        varint(&mut status, u64::from(code));
+    }
+    if !message.is_empty() {
+        length_delimited(&mut status, 2, message.as_bytes());
+    }
+    length_delimited(&mut status, 3, &any);
+    status
+}
+
+fn varint(out: &mut Vec<u8>, mut v: u64) {
+    while v >= 0x80 {
+        out.push((v as u8) | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+/// A length-delimited field (wire type 2) with a field number below 16.
+fn length_delimited(out: &mut Vec<u8>, field: u8, bytes: &[u8]) {
+    out.push((field << 3) | 2);
+    varint(out, bytes.len() as u64);
+    out.extend_from_slice(bytes);
+}
+
+/// Standard base64 without padding, as gRPC sends `-bin` metadata.
+fn base64(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, &b)| n | (u32::from(b) << (16 - 8 * i)));
+        for i in 0..=chunk.len() {
+            out.push(ALPHABET[((n >> (18 - 6 * i)) & 0x3f) as usize] as char);
+        }
+    }
+    out
 }
 
 /// gRPC's percent-encoding of grpc-message: everything outside 0x20-0x7E and `%` itself.
@@ -123,6 +198,34 @@ pub(crate) fn recorded_headers(headers: &HeaderMap, allow: &[HeaderName]) -> Hea
     kept
 }
 
+/// Response headers a gRPC record leaves out: the connection's own (HTTP/2 refuses them),
+/// values that describe this one transmission, and cookies (as the HTTP allow-list does).
+const GRPC_UNRECORDED: [&str; 11] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "transfer-encoding",
+    "upgrade",
+    "te",
+    "trailer",
+    "content-length",
+    "date",
+    "set-cookie",
+    "idempotent-replayed",
+];
+
+/// The headers kept when recording a gRPC response: all but [`GRPC_UNRECORDED`].
+///
+/// gRPC metadata is the application's own (initial metadata, and in a trailers-only
+/// response the status and trailing metadata too), so an allow-list would drop it.
+pub(crate) fn grpc_recorded_headers(headers: &HeaderMap) -> HeaderMap {
+    let mut kept = headers.clone();
+    for name in GRPC_UNRECORDED {
+        kept.remove(name);
+    }
+    kept
+}
+
 /// The default allow-list of recorded response headers.
 pub(crate) fn default_recorded_headers() -> Vec<HeaderName> {
     use http::header::*;
@@ -145,7 +248,6 @@ pub(crate) fn default_recorded_headers() -> Vec<HeaderName> {
 mod tests {
     use super::*;
     use http::StatusCode;
-    use std::time::Duration;
 
     #[test]
     fn problems_are_rfc9457_with_no_store_and_retry_after() {
@@ -170,5 +272,65 @@ mod tests {
         assert_eq!(res.headers()["grpc-status"], "9");
         assert_eq!(res.headers()["grpc-message"], "50%25 diff%C3%A9rent");
         assert!(res.body().is_empty());
+        assert!(!res.headers().contains_key("grpc-status-details-bin"));
+    }
+
+    #[test]
+    fn base64_is_standard_and_unpadded() {
+        for (raw, b64) in [
+            (&b""[..], ""),
+            (b"f", "Zg"),
+            (b"fo", "Zm8"),
+            (b"foo", "Zm9v"),
+            (b"foob", "Zm9vYg"),
+            (b"\xfb\xff\xbf", "+/+/"),
+        ] {
+            assert_eq!(base64(raw), b64);
+        }
+    }
+
+    #[test]
+    fn retry_info_detail_is_the_expected_protobuf() {
+        let bytes = status_with_retry_info(10, "busy", Duration::new(2, 500));
+        let any =
+            b"\x0a\x28type.googleapis.com/google.rpc.RetryInfo\x12\x07\x0a\x05\x08\x02\x10\xf4\x03";
+        let mut want = b"\x08\x0a\x12\x04busy\x1a".to_vec();
+        want.push(any.len() as u8);
+        want.extend_from_slice(any);
+        assert_eq!(bytes, want);
+    }
+
+    #[test]
+    fn in_progress_grpc_errors_carry_retry_info() {
+        let err = IdempotencyError::new(ErrorKind::InProgress, "still running")
+            .retry_after(Duration::from_millis(1500));
+        let res = grpc_status(&err);
+        assert_eq!(res.headers()["grpc-status"], "10");
+        assert_eq!(
+            res.headers()["grpc-message"],
+            "still running; retry after 2s"
+        );
+        assert!(res.headers().contains_key("grpc-status-details-bin"));
+    }
+
+    #[test]
+    fn grpc_records_keep_metadata_and_drop_connection_headers() {
+        let mut h = HeaderMap::new();
+        h.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+        h.insert("grpc-status", HeaderValue::from_static("9"));
+        h.insert("grpc-message", HeaderValue::from_static("card_declined"));
+        h.append("x-charge", HeaderValue::from_static("a"));
+        h.append("x-charge", HeaderValue::from_static("b"));
+        h.insert(
+            "date",
+            HeaderValue::from_static("Sat, 29 Nov 2025 14:00:00 GMT"),
+        );
+        h.insert("connection", HeaderValue::from_static("close"));
+        let kept = grpc_recorded_headers(&h);
+        assert_eq!(kept.len(), 5);
+        assert_eq!(kept["grpc-status"], "9");
+        let charges: Vec<_> = kept.get_all("x-charge").iter().collect();
+        assert_eq!(charges, ["a", "b"]);
+        assert!(!kept.contains_key("date") && !kept.contains_key("connection"));
     }
 }

@@ -106,7 +106,7 @@ where
         // 1. Eligible? Anything else passes through: no buffering, no store call, no boxing.
         let grpc = is_grpc(req.headers());
         let eligible = if grpc {
-            !cfg.grpc_passthrough.iter().any(|p| p == req.uri().path())
+            cfg.grpc_protected(req.uri().path())
         } else {
             cfg.methods.contains(req.method())
         };
@@ -120,7 +120,8 @@ where
                 return ResponseFuture::passthrough(self.inner.call(req.map(RequestBody::stream)))
             }
             Ok(None) => {
-                let detail = format!("this request requires an `{}` header", cfg.header);
+                let field = if grpc { "metadata entry" } else { "header" };
+                let detail = format!("this request requires an `{}` {field}", cfg.header);
                 let err = IdempotencyError::new(ErrorKind::KeyMissing, detail);
                 return ResponseFuture::ready(render(cfg, grpc, err));
             }
@@ -192,7 +193,11 @@ impl Flow {
         };
 
         // 3. Body: Content-Length first, then the limit while reading.
-        let limit = self.cfg.max_request_body;
+        let limit = if self.grpc {
+            self.cfg.max_grpc_request_body
+        } else {
+            self.cfg.max_request_body
+        };
         let too_large = || {
             IdempotencyError::new(
                 ErrorKind::BodyTooLarge,
@@ -512,10 +517,11 @@ impl Keyed {
                         outcome("executed");
                         let stored = StoredResponse {
                             status: parts.status,
-                            headers: response::recorded_headers(
-                                &parts.headers,
-                                &cfg.recorded_headers,
-                            ),
+                            headers: if self.flow.grpc {
+                                response::grpc_recorded_headers(&parts.headers)
+                            } else {
+                                response::recorded_headers(&parts.headers, &cfg.recorded_headers)
+                            },
                             body: data.clone(),
                             trailers: trailers.clone(),
                         };
