@@ -178,15 +178,19 @@ pub const DEFAULT_TABLE: &str = "idempotency_records";
 /// Default bound on one operation: pool checkout plus the statement.
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Attempts per operation. Serialization failures and lost races use them up; a dropped
-/// connection gets one fresh-connection attempt on top of the first.
+/// Attempts per operation, for serialization failures and lost races.
 const MAX_ATTEMPTS: u32 = 8;
+
+/// Repeats on a fresh connection after a connection failure. Two: a stale pooled connection
+/// can fail before the one whose reply was lost, and the read-back still deserves its try.
+const MAX_RECONNECTS: u32 = 2;
 
 /// Rows per `DELETE` in `delete_expired`: short transactions and row locks.
 const SWEEP_BATCH: i64 = 1000;
 
-/// Durations are bound to 100 years before they reach SQL: `timestamptz` ends in 294276 AD,
-/// and `now() + u64::MAX µs` would be an error, not a long lease.
+/// Leases and TTLs reach SQL as whole microseconds, capped at 100 years (3.2e15 µs):
+/// `now() + u64::MAX µs` would overflow `timestamptz` (it ends in 294276 AD) and fail, and
+/// SQL multiplies `bigint × interval` through `float8`, exact only below 2^53 µs (285 years).
 const MAX_MICROS: i64 = 100 * 365 * 24 * 3600 * 1_000_000;
 
 /// Postgres truncates identifiers to 63 bytes. The index is named `<table>_expires_at_idx`
@@ -194,7 +198,7 @@ const MAX_MICROS: i64 = 100 * 365 * 24 * 3600 * 1_000_000;
 const MAX_TABLE_LEN: usize = 63 - "_expires_at_idx".len();
 const MAX_SCHEMA_LEN: usize = 63;
 
-// Values of the `state` column.
+// Values of the `state` column. The SQL below writes `0` for `IN_PROGRESS` literally.
 const IN_PROGRESS: i16 = 0;
 const RESPONSE: i16 = 1;
 const TOMBSTONE: i16 = 2;
@@ -207,8 +211,7 @@ const INSERTED: i16 = 0;
 const UPDATED: i16 = 1;
 const EXISTING: i16 = 2;
 
-/// An [`IdempotencyStore`] in a Postgres table. Cloning shares the
-/// pool.
+/// An [`IdempotencyStore`] in a Postgres table. Cloning shares the pool.
 ///
 /// See the [module docs](self) for the schema and how each guarantee is met.
 #[derive(Clone)]
@@ -479,18 +482,21 @@ enum Failure {
 struct Attempts<'a> {
     store: &'a PostgresStore,
     made: u32,
-    reconnected: bool,
+    reconnects: u32,
+    /// A read, or a write whose repeat needs no read-back: a lost reply is not "unknown".
+    idempotent: bool,
     /// Set when an earlier attempt may have committed: every statement resolves it by
     /// reporting whether the row already carries this token.
     uncertain: Option<Box<dyn StdError + Send + Sync>>,
 }
 
 impl<'a> Attempts<'a> {
-    fn new(store: &'a PostgresStore) -> Self {
+    fn new(store: &'a PostgresStore, idempotent: bool) -> Self {
         Self {
             store,
             made: 0,
-            reconnected: false,
+            reconnects: 0,
+            idempotent,
             uncertain: None,
         }
     }
@@ -505,28 +511,27 @@ impl<'a> Attempts<'a> {
         match failure {
             Failure::Serialization(e) => {
                 if self.made >= MAX_ATTEMPTS {
-                    return Err(self.give_up(e.into()));
+                    return Err(self.give_up(Some(e.into())));
                 }
                 self.store.retries.fetch_add(1, Ordering::Relaxed);
                 backoff(self.made).await;
                 Ok(())
             }
             Failure::Down { error, sent } => {
-                if sent && self.uncertain.is_none() {
+                let last = if sent && !self.idempotent && self.uncertain.is_none() {
                     tracing::debug!(error = %error, "postgres reply lost; reading back");
                     self.uncertain = Some(error);
-                    if !self.reconnected {
-                        self.reconnected = true;
-                        return Ok(());
-                    }
-                    return Err(self.give_up("read-back not attempted".into()));
-                }
-                if !self.reconnected && self.made < MAX_ATTEMPTS {
-                    // A stale pooled connection fails fast; a fresh one usually works.
-                    self.reconnected = true;
+                    None
+                } else {
+                    Some(error)
+                };
+                // A stale pooled connection fails fast, and a fresh one usually works; the
+                // repeat on a fresh connection is also the read-back of a lost reply.
+                if self.reconnects < MAX_RECONNECTS && self.made < MAX_ATTEMPTS {
+                    self.reconnects += 1;
                     return Ok(());
                 }
-                Err(self.give_up(error))
+                Err(self.give_up(last))
             }
             Failure::Refused(e) => match self.uncertain.take() {
                 Some(first) => Err(StoreError::with_source(StoreErrorKind::Unknown, first)),
@@ -539,18 +544,21 @@ impl<'a> Attempts<'a> {
     fn again(&mut self) -> Result<(), StoreError> {
         self.made += 1;
         if self.made >= MAX_ATTEMPTS {
-            return Err(self.give_up("the claim kept losing races for the key".into()));
+            return Err(self.give_up(Some("the claim kept losing races for the key".into())));
         }
         Ok(())
     }
 
-    fn give_up(&mut self, last: Box<dyn StdError + Send + Sync>) -> StoreError {
-        match self.uncertain.take() {
-            Some(first) => {
-                tracing::warn!(error = %last, "postgres read-back failed; outcome unknown");
+    fn give_up(&mut self, last: Option<Box<dyn StdError + Send + Sync>>) -> StoreError {
+        match (self.uncertain.take(), last) {
+            (Some(first), last) => {
+                if let Some(last) = last {
+                    tracing::warn!(error = %last, "postgres read-back failed; outcome unknown");
+                }
                 StoreError::with_source(StoreErrorKind::Unknown, first)
             }
-            None => StoreError::with_source(StoreErrorKind::Unavailable, last),
+            (None, Some(last)) => StoreError::with_source(StoreErrorKind::Unavailable, last),
+            (None, None) => StoreError::new(StoreErrorKind::Unavailable),
         }
     }
 }
@@ -765,8 +773,9 @@ fn completion_columns(completion: &Completion) -> CompletionColumns<'_> {
 }
 
 fn token_params(token: &Token) -> (i64, &[u8]) {
-    // Generations start at 1 and grow by one per takeover: never near i64::MAX.
-    (token.generation() as i64, token.nonce().as_slice())
+    // Stored generations are positive `bigint`s: a token beyond them matches no row.
+    let generation = i64::try_from(token.generation()).unwrap_or(-1);
+    (generation, token.nonce().as_slice())
 }
 
 impl PostgresStore {
@@ -908,7 +917,7 @@ impl PostgresStore {
     pub async fn delete_expired(&self) -> Result<u64, StoreError> {
         let mut total = 0;
         loop {
-            let rows = self.run(&self.sql.sweep, &[&SWEEP_BATCH]).await?;
+            let rows = self.run(&self.sql.sweep, &[&SWEEP_BATCH], true).await?;
             total += rows.len() as u64;
             if (rows.len() as i64) < SWEEP_BATCH {
                 return Ok(total);
@@ -1050,9 +1059,15 @@ impl PostgresStore {
         }
     }
 
-    /// Runs a statement whose repeat is harmless, with the retry policy.
-    async fn run(&self, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Result<Vec<Row>, StoreError> {
-        let mut attempts = Attempts::new(self);
+    /// Runs a statement with the retry policy. `idempotent`: a read, or a write whose
+    /// outcome does not matter once lost (a sweep); its lost reply is `Unavailable`.
+    async fn run(
+        &self,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+        idempotent: bool,
+    ) -> Result<Vec<Row>, StoreError> {
+        let mut attempts = Attempts::new(self, idempotent);
         loop {
             match self.attempt(sql, params).await {
                 Ok(rows) => return Ok(rows),
@@ -1081,7 +1096,7 @@ impl IdempotencyStore for PostgresStore {
             &lease,
             &ttl,
         ];
-        let mut attempts = Attempts::new(self);
+        let mut attempts = Attempts::new(self, false);
         loop {
             match self.attempt(&self.sql.claim, &params).await {
                 Ok(rows) => match decode_claim(&rows, &nonce)? {
@@ -1104,7 +1119,7 @@ impl IdempotencyStore for PostgresStore {
         let lease = micros(lease);
         let params: [&(dyn ToSql + Sync); 4] =
             [&id.as_bytes().as_slice(), &generation, &nonce, &lease];
-        let rows = self.run(&self.sql.extend, &params).await?;
+        let rows = self.run(&self.sql.extend, &params, false).await?;
         if rows.is_empty() {
             return Err(StoreError::new(StoreErrorKind::Fenced));
         }
@@ -1132,7 +1147,7 @@ impl IdempotencyStore for PostgresStore {
             &trailers,
             &ttl,
         ];
-        let mut attempts = Attempts::new(self);
+        let mut attempts = Attempts::new(self, false);
         loop {
             match self.attempt(&self.sql.complete, &params).await {
                 Ok(rows) => {
@@ -1155,7 +1170,7 @@ impl IdempotencyStore for PostgresStore {
     async fn release(&self, id: &RecordId, token: &Token) -> Result<(), StoreError> {
         let (generation, nonce) = token_params(token);
         let params: [&(dyn ToSql + Sync); 3] = [&id.as_bytes().as_slice(), &generation, &nonce];
-        let mut attempts = Attempts::new(self);
+        let mut attempts = Attempts::new(self, false);
         loop {
             match self.attempt(&self.sql.release, &params).await {
                 Ok(rows) => {
@@ -1178,7 +1193,7 @@ impl IdempotencyStore for PostgresStore {
 
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         let rows = self
-            .run(&self.sql.get, &[&id.as_bytes().as_slice()])
+            .run(&self.sql.get, &[&id.as_bytes().as_slice()], true)
             .await?;
         rows.first().map(decode_record).transpose()
     }
