@@ -144,7 +144,11 @@ async fn store_recovers_after_a_postgres_restart() {
         "the driver error is kept"
     );
     let err = claim_down.expect_err("a claim with the server down");
-    println!("while down: get {:?}, claim {:?}", StoreErrorKind::Unavailable, err.kind());
+    println!(
+        "while down: get {:?}, claim {:?}",
+        StoreErrorKind::Unavailable,
+        err.kind()
+    );
     assert!(
         matches!(
             err.kind(),

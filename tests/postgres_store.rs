@@ -204,6 +204,100 @@ async fn no_connection_is_idle_in_transaction_while_the_handler_runs() {
     schema.drop_now().await;
 }
 
+/// Runs 64 claims of `id` at once; returns the claims won and the records the others saw.
+async fn race(
+    store: &PostgresStore,
+    id: tower_idempotency::RecordId,
+    f: tower_idempotency::Fingerprint,
+) -> (
+    Vec<tower_idempotency::store::Claim>,
+    Vec<tower_idempotency::Record>,
+) {
+    const N: usize = 64;
+    let barrier = Arc::new(Barrier::new(N));
+    let tasks: Vec<_> = (0..N)
+        .map(|_| {
+            let (store, barrier) = (store.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                store.claim(&id, &f, LEASE, TTL).await
+            })
+        })
+        .collect();
+    let (mut won, mut seen) = (Vec::new(), Vec::new());
+    for t in tasks {
+        match t.await.unwrap().expect("claim") {
+            ClaimOutcome::Claimed(c) => won.push(c),
+            ClaimOutcome::Existing(r) => seen.push(r),
+        }
+    }
+    (won, seen)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn racing_claims_of_an_expired_record_replace_it_once() {
+    let Some(url) = pg_support::url() else { return };
+    let schema = TestSchema::create(&url, "race-exp").await;
+    let store = store_in(&url, &schema, 16, "tidem-race-expired").await;
+    let id = unique_id("race-expired");
+    let t = claimed(store.claim(&id, &fp(1), LEASE, TTL).await.unwrap());
+    let ttl = Duration::from_millis(300);
+    store
+        .complete(&id, &t, &response(200, "old"), ttl)
+        .await
+        .unwrap();
+    tokio::time::sleep(ttl + Duration::from_millis(200)).await; // wait out the TTL
+
+    // Another request reuses the key after expiry: exactly one replaces the row.
+    let (won, seen) = race(&store, id, fp(2)).await;
+    assert_eq!(won.len(), 1, "claims won: {won:?}");
+    assert!(
+        !won[0].takeover,
+        "an expired record is replaced, not taken over"
+    );
+    assert_eq!(won[0].token.generation(), 1);
+    for r in seen {
+        assert_eq!(r.fingerprint, fp(2), "someone saw the expired record");
+        assert!(
+            matches!(r.state, RecordState::InProgress { lease_remaining } if lease_remaining > Duration::ZERO)
+        );
+    }
+    drop(store);
+    schema.drop_now().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn racing_takeovers_of_a_lapsed_lease_succeed_once() {
+    let Some(url) = pg_support::url() else { return };
+    let schema = TestSchema::create(&url, "race-lapse").await;
+    let store = store_in(&url, &schema, 16, "tidem-race-lapsed").await;
+    let id = unique_id("race-lapsed");
+    let lease = Duration::from_millis(300);
+    let old = claimed(store.claim(&id, &fp(1), lease, TTL).await.unwrap());
+    tokio::time::sleep(lease + Duration::from_millis(200)).await; // wait out the lease
+
+    let (won, seen) = race(&store, id, fp(1)).await;
+    assert_eq!(won.len(), 1, "claims won: {won:?}");
+    assert!(won[0].takeover);
+    assert_eq!(won[0].token.generation(), old.generation() + 1);
+    for r in seen {
+        assert_eq!(
+            r.generation,
+            old.generation() + 1,
+            "someone saw the lapsed claim"
+        );
+        assert!(
+            matches!(r.state, RecordState::InProgress { lease_remaining } if lease_remaining > Duration::ZERO)
+        );
+    }
+    assert_eq!(
+        store.extend(&id, &old, LEASE).await.unwrap_err().kind(),
+        StoreErrorKind::Fenced
+    );
+    drop(store);
+    schema.drop_now().await;
+}
+
 /// A role whose sessions default to SERIALIZABLE, with its own schema.
 struct SerializableRole {
     role: String,
@@ -537,26 +631,34 @@ async fn claim_that_cannot_be_read_back_is_unknown_never_claimed() {
     schema.drop_now().await;
 }
 
+/// Needs no server: it checks what the store says when there is none.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreachable_database_is_unavailable() {
-    let Some(url) = pg_support::url() else { return };
     // A port nothing listens on: the connection is refused before anything is sent.
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
     drop(listener);
-    let mut cfg = pg_support::config(&url);
-    let mut dead = tower_idempotency::store::postgres::tokio_postgres::Config::new();
-    dead.host("127.0.0.1")
-        .port(port)
-        .user(cfg.get_user().unwrap_or("postgres"));
-    cfg = dead;
-    let store = PostgresStore::new(pool_from(cfg, 1, "tidem-dead"));
-    let err = store
-        .claim(&unique_id("dead"), &fp(1), LEASE, TTL)
+    let url = format!("postgres://postgres@127.0.0.1:{port}/test");
+    let store = PostgresStore::new(pool(&url, 1, "tidem-dead"));
+    for err in [
+        store
+            .claim(&unique_id("dead"), &fp(1), LEASE, TTL)
+            .await
+            .unwrap_err(),
+        store.get(&unique_id("dead")).await.unwrap_err(),
+        store.migrate().await.unwrap_err(),
+        PostgresStore::connect(&url).await.unwrap_err(),
+    ] {
+        assert_eq!(err.kind(), StoreErrorKind::Unavailable, "{err:?}");
+        assert!(
+            std::error::Error::source(&err).is_some(),
+            "the driver error is kept"
+        );
+    }
+    let err = PostgresStore::connect("postgres://[nope")
         .await
         .unwrap_err();
-    assert_eq!(err.kind(), StoreErrorKind::Unavailable, "{err:?}");
-    assert!(std::error::Error::source(&err).is_some());
+    assert_eq!(err.kind(), StoreErrorKind::Other, "{err:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -957,8 +957,11 @@ impl PostgresStore {
     /// Fenced like [`complete`](IdempotencyStore::complete): a stale token is
     /// [`StoreErrorKind::Fenced`] and writes nothing (roll back then). Not retried: a
     /// serialization failure aborts your transaction, and is [`StoreErrorKind::Unavailable`]
-    /// with the driver error as source; retry the whole transaction. The statement row-locks
-    /// the record until you commit, so a takeover waits for your outcome.
+    /// with the driver error as source; retry the whole transaction.
+    ///
+    /// The statement row-locks the record until you commit, so a takeover (and the layer's
+    /// lease renewal) waits for your outcome: call it last, just before `COMMIT`. After a
+    /// commit, `complete`, `extend` and `release` with this token are fenced.
     pub async fn complete_in<C>(
         &self,
         client: &C,

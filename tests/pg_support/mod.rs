@@ -31,7 +31,17 @@ pub fn unique(label: &str) -> String {
         .unwrap()
         .as_nanos()
         % 1_000_000_000;
-    let label: String = label.chars().take(12).collect();
+    let label: String = label
+        .chars()
+        .take(12)
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '_'
+            }
+        })
+        .collect();
     format!(
         "tidem_{label}_{}_{}_{nanos}",
         std::process::id(),
