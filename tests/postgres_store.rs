@@ -504,8 +504,23 @@ async fn round_trips_are_two_for_new_and_one_for_replay_or_conflict() {
     ));
     let mismatch = measure(&proxy);
 
-    println!("round trips: new {new}, replay {replay}, conflict {conflict}, mismatch {mismatch}");
+    // The other operations are one statement each too.
+    let ops = unique_id("ops2");
+    let t2 = claimed(store.claim(&ops, &fp(5), LEASE, TTL).await.unwrap());
+    measure(&proxy);
+    store.extend(&ops, &t2, LEASE).await.unwrap();
+    let extend = measure(&proxy);
+    store.get(&ops).await.unwrap();
+    let get = measure(&proxy);
+    store.release(&ops, &t2).await.unwrap();
+    let release = measure(&proxy);
+
+    println!(
+        "round trips: new {new}, replay {replay}, conflict {conflict}, mismatch {mismatch}, \
+         extend {extend}, get {get}, release {release}"
+    );
     assert_eq!((new, replay, conflict, mismatch), (2, 1, 1, 1));
+    assert_eq!((extend, get, release), (1, 1, 1));
     drop(store);
     schema.drop_now().await;
 }
