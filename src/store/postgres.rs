@@ -63,11 +63,14 @@
 //!   transaction for [`complete_in`](PostgresStore::complete_in)); the lease left is computed
 //!   in SQL.
 //! - **Unknown outcomes**: the nonce is generated here, not in SQL. When a statement was sent
-//!   and the reply is lost (a timeout, a dropped connection), the store runs it again on a
-//!   fresh connection; every statement also reports whether the row already carries this
-//!   nonce, so the repeat tells "my claim committed" from "someone else's record". If that
-//!   read-back fails too, the answer is [`StoreErrorKind::Unknown`], never `Claimed`.
-//!   Errors before anything was sent (no connection) are [`StoreErrorKind::Unavailable`].
+//!   and the reply is lost (a timeout, a dropped connection), the store drops that connection
+//!   and runs the statement again on a fresh one. The claim, complete and release statements
+//!   also report what the row held before them, so the repeat tells "my first attempt
+//!   committed" (the row carries my nonce) from "someone else's record"; a repeated extend is
+//!   simply right. If that read-back fails too, the answer is [`StoreErrorKind::Unknown`],
+//!   never `Claimed`. Failures before anything was sent (no connection), and lost replies to
+//!   reads, are [`StoreErrorKind::Unavailable`]. Each operation, pool checkout included, is
+//!   bounded by [`with_timeout`](PostgresStore::with_timeout) (5 s by default).
 //! - **Statements are prepared once per connection** (deadpool's statement cache). Use
 //!   [`RecyclingMethod::Fast`](deadpool_postgres::RecyclingMethod::Fast) (deadpool's
 //!   default, and what [`connect`](PostgresStore::connect) sets): `Verified` costs one more
