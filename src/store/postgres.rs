@@ -116,29 +116,50 @@
 //! with [`complete_in`](PostgresStore::complete_in): the business writes and the recorded
 //! answer then commit together or not at all. If the transaction rolls back, the record stays
 //! in progress, and once its lease lapses a retry takes it over and runs the work again.
-//! The layer hands the handler the record id and token (in the request's
-//! `IdempotencyContext` extension) and, told by the response's `RecordDecision::AlreadyRecorded`
-//! extension, neither completes nor releases after the handler did.
+//! The layer puts an [`IdempotencyContext`](crate::IdempotencyContext) (record id and token)
+//! into the request's extensions; a response carrying
+//! [`RecordDecision::AlreadyRecorded`](crate::RecordDecision::AlreadyRecorded) tells the layer
+//! not to complete or release after the handler did. The recorded [`Completion`] is what
+//! retries get, so it should match the response the handler returns.
 //!
 //! ```no_run
 //! use std::time::Duration;
+//! use bytes::Bytes;
+//! use http::{header, HeaderMap, HeaderValue, Request, Response, StatusCode};
 //! use tower_idempotency::store::postgres::PostgresStore;
-//! use tower_idempotency::store::StoreError;
-//! use tower_idempotency::{Completion, RecordId, Token};
+//! use tower_idempotency::{Completion, IdempotencyContext, RecordDecision, StoredResponse};
+//!
+//! type BoxError = Box<dyn std::error::Error + Send + Sync>;
 //!
 //! async fn place_order(
 //!     store: &PostgresStore,
-//!     id: &RecordId,
-//!     token: &Token,
-//!     answer: &Completion,
-//! ) -> Result<(), Box<dyn std::error::Error>> {
+//!     req: Request<Bytes>,
+//! ) -> Result<Response<Bytes>, BoxError> {
+//!     let ctx = req.extensions().get::<IdempotencyContext>().ok_or("not behind the layer")?;
+//!     let mut headers = HeaderMap::new();
+//!     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+//!     let body = Bytes::from_static(br#"{"order":"o-1"}"#);
+//!     let answer = Completion::Response(StoredResponse {
+//!         status: StatusCode::CREATED,
+//!         headers: headers.clone(),
+//!         body: body.clone(),
+//!         trailers: None,
+//!     });
+//!
 //!     let mut conn = store.pool().get().await?;
 //!     let tx = conn.transaction().await?;
-//!     tx.execute("INSERT INTO orders (sku) VALUES ($1)", &[&"sku-1"]).await?;
-//!     // Fenced like `complete`: a stale token writes nothing, and the order rolls back too.
-//!     store.complete_in(&tx, id, token, answer, Duration::from_secs(86_400)).await?;
+//!     tx.execute("INSERT INTO orders (id, sku) VALUES ($1, $2)", &[&"o-1", &"sku-1"]).await?;
+//!     // Last before COMMIT. Fenced like `complete`: with a stale token it fails, and the
+//!     // order is rolled back with it. The TTL should match the layer's retention.
+//!     let ttl = Duration::from_secs(24 * 3600);
+//!     store.complete_in(&tx, &ctx.record_id(), &ctx.token(), &answer, ttl).await?;
 //!     tx.commit().await?;
-//!     Ok(())
+//!
+//!     let mut res = Response::new(body);
+//!     *res.status_mut() = StatusCode::CREATED;
+//!     *res.headers_mut() = headers;
+//!     res.extensions_mut().insert(RecordDecision::AlreadyRecorded);
+//!     Ok(res)
 //! }
 //! ```
 //!
@@ -170,6 +191,7 @@ pub use tokio_postgres;
 use deadpool_postgres::{GenericClient, Object, Pool};
 
 use super::{Claim, ClaimOutcome, IdempotencyStore, StoreError, StoreErrorKind};
+use crate::error::ConfigError;
 use crate::record::{
     get_headers, put_headers, Completion, Fingerprint, Record, RecordId, RecordState,
     StoredResponse, Token,
@@ -236,28 +258,6 @@ impl fmt::Debug for PostgresStore {
     }
 }
 
-/// A table name that [`PostgresStore::with_table`] refused, or a URL that
-/// [`PostgresStore::connect`] could not use.
-#[derive(Debug)]
-pub struct ConfigError {
-    what: String,
-    source: Option<Box<dyn StdError + Send + Sync + 'static>>,
-}
-
-impl fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.what)
-    }
-}
-
-impl StdError for ConfigError {
-    fn source(&self) -> Option<&(dyn StdError + 'static)> {
-        self.source
-            .as_deref()
-            .map(|e| e as &(dyn StdError + 'static))
-    }
-}
-
 /// The validated table: quoted for SQL, and the key of its migration lock.
 #[derive(Debug)]
 struct Table {
@@ -269,10 +269,7 @@ struct Table {
 
 impl Table {
     fn parse(name: &str) -> Result<Self, ConfigError> {
-        let bad = |why: &str| ConfigError {
-            what: format!("invalid table name {name:?}: {why}"),
-            source: None,
-        };
+        let bad = |why: &str| ConfigError::new(format!("invalid table name {name:?}: {why}"));
         let parts: Vec<&str> = name.split('.').collect();
         let (schema, table) = match parts.as_slice() {
             [table] => (None, *table),
@@ -806,15 +803,10 @@ impl PostgresStore {
     /// The connections' `application_name` is `tower-idempotency` unless the URL sets one.
     /// For TLS or other pool settings, build a [`Pool`] and use [`PostgresStore::new`].
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
-        let mut config: tokio_postgres::Config = url.parse().map_err(|e| {
-            StoreError::with_source(
-                StoreErrorKind::Other,
-                ConfigError {
-                    what: "invalid Postgres connection string".to_owned(),
-                    source: Some(Box::new(e)),
-                },
-            )
-        })?;
+        // A malformed URL is `Other`, with the driver's parse error as source.
+        let mut config: tokio_postgres::Config = url
+            .parse()
+            .map_err(|e| StoreError::with_source(StoreErrorKind::Other, e))?;
         if config.get_application_name().is_none() {
             config.application_name("tower-idempotency");
         }
