@@ -312,7 +312,8 @@ impl SerializableRole {
         admin(url)
             .await
             .batch_execute(&format!(
-                "CREATE ROLE {role} LOGIN;
+                // A password too, so the role can log in where pg_hba asks for one.
+                "CREATE ROLE {role} LOGIN PASSWORD '{role}';
                  ALTER ROLE {role} SET default_transaction_isolation = 'serializable';
                  GRANT USAGE, CREATE ON SCHEMA {s} TO {role};",
                 s = schema.name
@@ -329,7 +330,7 @@ impl SerializableRole {
     /// A migrated store connected as the role (it owns the table).
     async fn store(&self, size: usize, app: &str) -> PostgresStore {
         let mut cfg = pg_support::config(&self.url);
-        cfg.user(&self.role);
+        cfg.user(&self.role).password(self.role.as_bytes());
         let store = PostgresStore::new(pool_from(cfg, size, app))
             .with_table(&self.schema.table())
             .unwrap();

@@ -242,6 +242,9 @@ impl Proxy {
         if let Some(db) = base.get_dbname() {
             cfg.dbname(db);
         }
+        if let Some(password) = base.get_password() {
+            cfg.password(password);
+        }
         cfg
     }
 }
