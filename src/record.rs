@@ -299,7 +299,8 @@ fn need(buf: &Bytes, n: usize) -> Result<(), DecodeError> {
     }
 }
 
-fn put_headers(out: &mut Vec<u8>, headers: &HeaderMap) {
+/// Appends `headers` in the layout [`Completion::encode`] uses (a `u32` count, then pairs).
+pub(crate) fn put_headers(out: &mut Vec<u8>, headers: &HeaderMap) {
     out.put_u32(headers.len() as u32);
     for (name, value) in headers {
         out.put_u16(name.as_str().len() as u16);
@@ -309,7 +310,8 @@ fn put_headers(out: &mut Vec<u8>, headers: &HeaderMap) {
     }
 }
 
-fn get_headers(buf: &mut Bytes) -> Result<HeaderMap, DecodeError> {
+/// Reads headers written by [`put_headers`], advancing `buf`.
+pub(crate) fn get_headers(buf: &mut Bytes) -> Result<HeaderMap, DecodeError> {
     need(buf, 4)?;
     let count = buf.get_u32() as usize;
     let mut headers = HeaderMap::with_capacity(count.min(64));

@@ -1,0 +1,1285 @@
+//! A Postgres store: one row per record, the database clock, one statement per operation.
+//!
+//! Built on [`tokio_postgres`] and a [`deadpool_postgres`] pool; both crates are re-exported
+//! so that your versions match ours. Create the table once with
+//! [`migrate`](PostgresStore::migrate) (safe to run from every replica at start-up), then hand
+//! the store to the layer.
+//!
+//! ```no_run
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! use tower_idempotency::store::postgres::PostgresStore;
+//!
+//! let store = PostgresStore::connect("postgres://app@db/app")
+//!     .await?
+//!     .with_table("idempotency.records")?;
+//! store.migrate().await?;
+//! let _sweeper = store.spawn_sweeper(std::time::Duration::from_secs(60));
+//! let layer = tower_idempotency::IdempotencyLayer::new(store);
+//! # drop(layer);
+//! # Ok(()) }
+//! ```
+//!
+//! # Schema
+//!
+//! [`migrate`](PostgresStore::migrate) creates this table (`idempotency_records` unless
+//! [`with_table`](PostgresStore::with_table) names another) and an index on `expires_at`:
+//!
+//! ```sql
+//! CREATE TABLE idempotency_records (
+//!     id           bytea       PRIMARY KEY,  -- RecordId: SHA-256 of (scope, key), 32 bytes
+//!     fingerprint  bytea       NOT NULL,     -- 32 bytes
+//!     state        smallint    NOT NULL,     -- 0 in progress, 1 response, 2 tombstone
+//!     generation   bigint      NOT NULL,     -- 1 for a first claim, + 1 per takeover
+//!     nonce        bytea       NOT NULL,     -- the token's random part, 16 bytes
+//!     locked_until timestamptz NOT NULL,     -- end of the holder's lease
+//!     status       smallint,                 -- the recorded answer, once completed
+//!     headers      bytea,
+//!     body         bytea,
+//!     trailers     bytea,                    -- NULL: the response had no trailers
+//!     created_at   timestamptz NOT NULL,
+//!     expires_at   timestamptz NOT NULL      -- end of retention
+//! );
+//! ```
+//!
+//! Headers and trailers use the compact binary layout of [`Completion::encode`] behind a
+//! format byte; bodies are raw `bytea`, never base64. The store writes
+//! `expires_at >= locked_until` for every in-progress row, so a live lease always outlives
+//! its retention; every statement still treats a row as live while its lease is, whatever
+//! `expires_at` says (see [`delete_expired`](PostgresStore::delete_expired)).
+//!
+//! # How the contract is met
+//!
+//! - **The claim is one statement and one round trip**: a CTE that tries
+//!   `INSERT … ON CONFLICT (id) DO NOTHING`, updates the row in the same statement when it
+//!   has expired (it is replaced, generation 1) or is in progress with a lapsed lease and the
+//!   same fingerprint (a takeover, generation + 1), and otherwise returns the existing row,
+//!   so a replay or a conflict also costs one round trip. A new request costs two (claim,
+//!   then complete). The claim commits on its own before the handler runs: no transaction
+//!   and no pool connection is held while the handler works.
+//! - **Fencing**: `extend`, `complete` and `release` put the generation *and* the nonce in
+//!   their `WHERE` clause. Zero rows is [`StoreErrorKind::Fenced`], and nothing was written.
+//! - **One clock**: every time is the database's `statement_timestamp()` (which is `now()`
+//!   for the store's own single-statement transactions, and stays correct inside a long
+//!   transaction for [`complete_in`](PostgresStore::complete_in)); the lease left is computed
+//!   in SQL.
+//! - **Unknown outcomes**: the nonce is generated here, not in SQL. When a statement was sent
+//!   and the reply is lost (a timeout, a dropped connection), the store drops that connection
+//!   and runs the statement again on a fresh one. The claim, complete and release statements
+//!   also report what the row held before them, so the repeat tells "my first attempt
+//!   committed" (the row carries my nonce) from "someone else's record"; a repeated extend is
+//!   simply right. If that read-back fails too, the answer is [`StoreErrorKind::Unknown`],
+//!   never `Claimed`. Failures before anything was sent (no connection), and lost replies to
+//!   reads, are [`StoreErrorKind::Unavailable`]. Each operation, pool checkout included, is
+//!   bounded by [`with_timeout`](PostgresStore::with_timeout) (5 s by default).
+//! - **Statements are prepared once per connection** (deadpool's statement cache). Use
+//!   [`RecyclingMethod::Fast`](deadpool_postgres::RecyclingMethod::Fast) (deadpool's
+//!   default, and what [`connect`](PostgresStore::connect) sets): `Verified` costs one more
+//!   round trip per checkout.
+//! - A claim that loses a race with a concurrent insert of the same key may cost one more
+//!   round trip: its statement snapshot predates the winner's commit, so it cannot return the
+//!   winner's row and runs once more.
+//!
+//! Postgres has no capacity limit of its own here: a full disk (SQLSTATE `53100`) is
+//! [`StoreErrorKind::Full`], and nothing is evicted.
+//!
+//! # Serializable isolation
+//!
+//! The store's statements are correct at any isolation level. When the role or database
+//! defaults to `SERIALIZABLE` (or `REPEATABLE READ`), concurrent claims of one key fail with
+//! serialization failures (`40001`) instead of waiting; the store retries `40001` and
+//! deadlocks (`40P01`) up to 8 attempts with a short jittered backoff, so callers do not see
+//! them. [`serialization_retries`](PostgresStore::serialization_retries) counts the retries.
+//!
+//! # Expiry, and why the table is not partitioned by time
+//!
+//! Rows past `expires_at` are absent to every operation, and a claim replaces one in the same
+//! statement. They are deleted by [`delete_expired`](PostgresStore::delete_expired), in
+//! batches, or by a background [`spawn_sweeper`](PostgresStore::spawn_sweeper) (opt in).
+//!
+//! The table is deliberately **not** partitioned by time. Uniqueness of the key is what makes
+//! the claim atomic, and Postgres can only enforce a primary key that includes the partition
+//! key: with partitions by day, a retry landing in the next day's partition would not
+//! conflict with the first request, and would run the work twice. At high volume, instead:
+//!
+//! - run the sweeper often enough that each pass deletes a few batches, not millions of rows;
+//! - make autovacuum keep up with the churn: e.g.
+//!   `ALTER TABLE idempotency_records SET (autovacuum_vacuum_scale_factor = 0.01,
+//!   autovacuum_vacuum_cost_delay = 0)`;
+//! - a `fillfactor` below 100 (e.g. 90) leaves room on each page for lease renewals to be
+//!   HOT updates;
+//! - keep `max_response_body` modest: large bodies are TOASTed and dominate the table size;
+//! - hash-partition by `id` if one table grows too large to vacuum: that keeps the key unique.
+//!
+//! # Transactional completion
+//!
+//! A handler that writes to the same database can record its answer in its own transaction
+//! with [`complete_in`](PostgresStore::complete_in): the business writes and the recorded
+//! answer then commit together or not at all. If the transaction rolls back, the record stays
+//! in progress, and once its lease lapses a retry takes it over and runs the work again.
+//! The layer puts an [`IdempotencyContext`](crate::IdempotencyContext) (record id and token)
+//! into the request's extensions; a response carrying
+//! [`RecordDecision::AlreadyRecorded`](crate::RecordDecision::AlreadyRecorded) tells the layer
+//! not to complete or release after the handler did. The recorded [`Completion`] is what
+//! retries get, so it should match the response the handler returns.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use bytes::Bytes;
+//! use http::{header, HeaderMap, HeaderValue, Request, Response, StatusCode};
+//! use tower_idempotency::store::postgres::PostgresStore;
+//! use tower_idempotency::{Completion, IdempotencyContext, RecordDecision, StoredResponse};
+//!
+//! type BoxError = Box<dyn std::error::Error + Send + Sync>;
+//!
+//! async fn place_order(
+//!     store: &PostgresStore,
+//!     req: Request<Bytes>,
+//! ) -> Result<Response<Bytes>, BoxError> {
+//!     let ctx = req.extensions().get::<IdempotencyContext>().ok_or("not behind the layer")?;
+//!     let mut headers = HeaderMap::new();
+//!     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+//!     let body = Bytes::from_static(br#"{"order":"o-1"}"#);
+//!     let answer = Completion::Response(StoredResponse {
+//!         status: StatusCode::CREATED,
+//!         headers: headers.clone(),
+//!         body: body.clone(),
+//!         trailers: None,
+//!     });
+//!
+//!     let mut conn = store.pool().get().await?;
+//!     let tx = conn.transaction().await?;
+//!     tx.execute("INSERT INTO orders (id, sku) VALUES ($1, $2)", &[&"o-1", &"sku-1"]).await?;
+//!     // Last before COMMIT. Fenced like `complete`: with a stale token it fails, and the
+//!     // order is rolled back with it. The TTL should match the layer's retention.
+//!     let ttl = Duration::from_secs(24 * 3600);
+//!     store.complete_in(&tx, &ctx.record_id(), &ctx.token(), &answer, ttl).await?;
+//!     tx.commit().await?;
+//!
+//!     let mut res = Response::new(body);
+//!     *res.status_mut() = StatusCode::CREATED;
+//!     *res.headers_mut() = headers;
+//!     res.extensions_mut().insert(RecordDecision::AlreadyRecorded);
+//!     Ok(res)
+//! }
+//! ```
+//!
+//! # TLS
+//!
+//! [`connect`](PostgresStore::connect) connects without TLS. For TLS, build the pool yourself
+//! with a rustls connector (e.g. `tokio-postgres-rustls`) and pass it to
+//! [`PostgresStore::new`].
+
+use std::error::Error as StdError;
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::{Buf, Bytes};
+use http::{HeaderMap, StatusCode};
+use sha2::{Digest, Sha256};
+use tokio::task::JoinHandle;
+use tokio::time::{timeout_at, Instant};
+use tokio_postgres::error::SqlState;
+use tokio_postgres::types::ToSql;
+use tokio_postgres::Row;
+
+pub use deadpool_postgres;
+pub use tokio_postgres;
+
+use deadpool_postgres::{GenericClient, Object, Pool};
+
+use super::{Claim, ClaimOutcome, IdempotencyStore, StoreError, StoreErrorKind};
+use crate::error::ConfigError;
+use crate::record::{
+    get_headers, put_headers, Completion, Fingerprint, Record, RecordId, RecordState,
+    StoredResponse, Token,
+};
+
+/// The table [`PostgresStore::new`] uses.
+pub const DEFAULT_TABLE: &str = "idempotency_records";
+
+/// Default bound on one operation: pool checkout plus the statement.
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Attempts per operation, for serialization failures and lost races.
+const MAX_ATTEMPTS: u32 = 8;
+
+/// Repeats on a fresh connection after a connection failure. Two: a stale pooled connection
+/// can fail before the one whose reply was lost, and the read-back still deserves its try.
+const MAX_RECONNECTS: u32 = 2;
+
+/// Rows per `DELETE` in `delete_expired`: short transactions and row locks.
+const SWEEP_BATCH: i64 = 1000;
+
+/// Leases and TTLs reach SQL as whole microseconds, capped at 100 years (3.2e15 µs):
+/// `now() + u64::MAX µs` would overflow `timestamptz` (it ends in 294276 AD) and fail, and
+/// SQL multiplies `bigint × interval` through `float8`, exact only below 2^53 µs (285 years).
+const MAX_MICROS: i64 = 100 * 365 * 24 * 3600 * 1_000_000;
+
+/// Postgres truncates identifiers to 63 bytes. The index is named `<table>_expires_at_idx`
+/// (15 more bytes), so table names stop at 48 to keep two tables' index names apart.
+const MAX_TABLE_LEN: usize = 63 - "_expires_at_idx".len();
+const MAX_SCHEMA_LEN: usize = 63;
+
+// Values of the `state` column. The SQL below writes `0` for `IN_PROGRESS` literally.
+const IN_PROGRESS: i16 = 0;
+const RESPONSE: i16 = 1;
+const TOMBSTONE: i16 = 2;
+
+/// Version byte in front of the `headers` and `trailers` columns.
+const HEADERS_FORMAT: u8 = 1;
+
+// Outcomes of the claim statement, in order of precedence.
+const INSERTED: i16 = 0;
+const UPDATED: i16 = 1;
+const EXISTING: i16 = 2;
+
+/// An [`IdempotencyStore`] in a Postgres table. Cloning shares the pool.
+///
+/// See the [module docs](self) for the schema and how each guarantee is met.
+#[derive(Clone)]
+pub struct PostgresStore {
+    pool: Pool,
+    table: Arc<Table>,
+    sql: Arc<Sql>,
+    timeout: Duration,
+    retries: Arc<AtomicU64>,
+}
+
+impl fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PostgresStore")
+            .field("table", &self.table.name)
+            .field("timeout", &self.timeout)
+            .field("pool", &self.pool.status())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The validated table: quoted for SQL, and the key of its migration lock.
+#[derive(Debug)]
+struct Table {
+    name: String,
+    quoted: String,
+    index: String,
+    lock_key: i64,
+}
+
+impl Table {
+    fn parse(name: &str) -> Result<Self, ConfigError> {
+        let bad = |why: &str| ConfigError::new(format!("invalid table name {name:?}: {why}"));
+        let parts: Vec<&str> = name.split('.').collect();
+        let (schema, table) = match parts.as_slice() {
+            [table] => (None, *table),
+            [schema, table] => (Some(*schema), *table),
+            _ => return Err(bad("expected `table` or `schema.table`")),
+        };
+        for (part, max) in [(schema, MAX_SCHEMA_LEN), (Some(table), MAX_TABLE_LEN)] {
+            let Some(part) = part else { continue };
+            let mut chars = part.chars();
+            let first_ok = chars
+                .next()
+                .is_some_and(|c| c.is_ascii_lowercase() || c == '_');
+            if !first_ok || !chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+            {
+                return Err(bad(
+                    "each part must be a lowercase identifier: [a-z_][a-z0-9_]*",
+                ));
+            }
+            if part.len() > max {
+                return Err(bad(&format!("a part is longer than {max} bytes")));
+            }
+        }
+        // The checks above leave nothing to escape; quoting still makes reserved words
+        // (`user`, `order`) usable.
+        let quoted = match schema {
+            Some(s) => format!("\"{s}\".\"{table}\""),
+            None => format!("\"{table}\""),
+        };
+        let digest = Sha256::digest(format!("tower-idempotency migrate {name}"));
+        let mut key = [0u8; 8];
+        key.copy_from_slice(&digest[..8]);
+        Ok(Self {
+            name: name.to_owned(),
+            quoted,
+            index: format!("\"{table}_expires_at_idx\""),
+            lock_key: i64::from_be_bytes(key),
+        })
+    }
+}
+
+/// The statements, built once per table. `r` is always the record row.
+#[derive(Debug)]
+struct Sql {
+    migrate: String,
+    claim: String,
+    extend: String,
+    complete: String,
+    release: String,
+    get: String,
+    sweep: String,
+}
+
+impl Sql {
+    fn new(table: &Table) -> Self {
+        let t = &table.quoted;
+        // A row is expired past `expires_at`, unless its lease is still live.
+        let expired = |r: &str| {
+            format!(
+                "({r}.expires_at <= statement_timestamp() \
+                 AND NOT ({r}.state = 0 AND {r}.locked_until > statement_timestamp()))"
+            )
+        };
+        let exp = expired("r");
+        // In progress, lease lapsed, same request: may be taken over.
+        let lapsed =
+            "(r.state = 0 AND r.locked_until <= statement_timestamp() AND r.fingerprint = $2)";
+        let us = "* interval '1 microsecond'";
+        let lease_us = "CASE WHEN r.state = 0 THEN GREATEST(0, EXTRACT(EPOCH FROM \
+                        (r.locked_until - statement_timestamp())) * 1000000)::bigint END";
+        let record_cols = format!(
+            "r.generation, r.fingerprint, r.state, {lease_us} AS lease_us, \
+             r.status, r.headers, r.body, r.trailers"
+        );
+        let fenced = format!(
+            "r.id = $1::bytea AND r.generation = $2::bigint AND r.nonce = $3::bytea \
+             AND r.state = 0 AND NOT {exp}"
+        );
+        Self {
+            migrate: format!(
+                "SELECT pg_advisory_xact_lock({key});
+                 CREATE TABLE IF NOT EXISTS {t} (
+                     id           bytea       PRIMARY KEY CHECK (octet_length(id) = 32),
+                     fingerprint  bytea       NOT NULL CHECK (octet_length(fingerprint) = 32),
+                     state        smallint    NOT NULL CHECK (state IN (0, 1, 2)),
+                     generation   bigint      NOT NULL CHECK (generation > 0),
+                     nonce        bytea       NOT NULL CHECK (octet_length(nonce) = 16),
+                     locked_until timestamptz NOT NULL,
+                     status       smallint,
+                     headers      bytea,
+                     body         bytea,
+                     trailers     bytea,
+                     created_at   timestamptz NOT NULL,
+                     expires_at   timestamptz NOT NULL
+                 );
+                 CREATE INDEX IF NOT EXISTS {idx} ON {t} (expires_at);",
+                key = table.lock_key,
+                idx = table.index,
+            ),
+            // $1 id, $2 fingerprint, $3 nonce, $4 lease µs, $5 ttl µs.
+            // A new record is kept max(lease, ttl); a takeover keeps the retention and
+            // extends it to cover the new lease, so expires_at >= locked_until always.
+            claim: format!(
+                "WITH ins AS (
+                     INSERT INTO {t} AS r (id, fingerprint, state, generation, nonce,
+                                           locked_until, created_at, expires_at)
+                     VALUES ($1::bytea, $2::bytea, 0, 1, $3::bytea,
+                             statement_timestamp() + $4::bigint {us},
+                             statement_timestamp(),
+                             statement_timestamp() + GREATEST($4::bigint, $5::bigint) {us})
+                     ON CONFLICT (id) DO NOTHING
+                     RETURNING r.generation
+                 ), upd AS (
+                     UPDATE {t} AS r SET
+                         fingerprint = $2, state = 0, nonce = $3,
+                         generation = CASE WHEN {exp} THEN 1 ELSE r.generation + 1 END,
+                         locked_until = statement_timestamp() + $4 {us},
+                         created_at = CASE WHEN {exp} THEN statement_timestamp()
+                                      ELSE r.created_at END,
+                         expires_at = CASE WHEN {exp}
+                                      THEN statement_timestamp() + GREATEST($4, $5) {us}
+                                      ELSE GREATEST(r.expires_at, statement_timestamp() + $4 {us})
+                                      END,
+                         status = NULL, headers = NULL, body = NULL, trailers = NULL
+                     WHERE r.id = $1 AND ({exp} OR {lapsed})
+                     RETURNING r.generation
+                 ), cur AS (
+                     -- The row as this statement's snapshot saw it. A row the update should
+                     -- have taken but did not was changed concurrently: return nothing, and
+                     -- the caller runs the claim again with a fresh snapshot.
+                     SELECT r.nonce, {record_cols} FROM {t} AS r
+                     WHERE r.id = $1 AND NOT {exp} AND NOT {lapsed}
+                       AND NOT EXISTS (SELECT FROM ins) AND NOT EXISTS (SELECT FROM upd)
+                 )
+                 SELECT {INSERTED}::smallint AS outcome, generation, NULL::bytea AS nonce,
+                        NULL::bytea AS fingerprint, NULL::smallint AS state,
+                        NULL::bigint AS lease_us, NULL::smallint AS status,
+                        NULL::bytea AS headers, NULL::bytea AS body, NULL::bytea AS trailers
+                   FROM ins
+                 UNION ALL
+                 SELECT {UPDATED}::smallint, generation, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+                   FROM upd
+                 UNION ALL
+                 SELECT {EXISTING}::smallint, generation, nonce, fingerprint, state, lease_us, status,
+                        headers, body, trailers
+                   FROM cur"
+            ),
+            // $1 id, $2 generation, $3 nonce, $4 lease µs.
+            extend: format!(
+                "UPDATE {t} AS r SET
+                     locked_until = statement_timestamp() + $4::bigint {us},
+                     expires_at = GREATEST(r.expires_at, statement_timestamp() + $4::bigint {us})
+                 WHERE {fenced}
+                 RETURNING 1"
+            ),
+            // $1 id, $2 generation, $3 nonce, $4 state, $5 status, $6 headers, $7 body,
+            // $8 trailers, $9 ttl µs. `done` (read from the snapshot before this statement)
+            // tells a retry after a lost reply that its first attempt committed.
+            complete: format!(
+                "WITH upd AS (
+                     UPDATE {t} AS r SET
+                         state = $4::smallint, status = $5::smallint, headers = $6::bytea,
+                         body = $7::bytea, trailers = $8::bytea,
+                         expires_at = statement_timestamp() + $9::bigint {us}
+                     WHERE {fenced}
+                     RETURNING 1
+                 )
+                 SELECT EXISTS (SELECT FROM upd) AS applied,
+                        EXISTS (SELECT FROM {t} AS r WHERE r.id = $1 AND r.generation = $2
+                                AND r.nonce = $3 AND r.state <> 0 AND NOT {exp}) AS done"
+            ),
+            // $1 id, $2 generation, $3 nonce. `present`: whether any live row was there.
+            release: format!(
+                "WITH del AS (
+                     DELETE FROM {t} AS r WHERE {fenced}
+                     RETURNING 1
+                 )
+                 SELECT EXISTS (SELECT FROM del) AS applied,
+                        EXISTS (SELECT FROM {t} AS r WHERE r.id = $1 AND NOT {exp}) AS present"
+            ),
+            get: format!("SELECT {record_cols} FROM {t} AS r WHERE r.id = $1::bytea AND NOT {exp}"),
+            // SKIP LOCKED: never wait behind a claim that is replacing an expired row.
+            sweep: format!(
+                "DELETE FROM {t} AS r
+                 WHERE r.id IN (SELECT s.id FROM {t} AS s WHERE {sexp}
+                                ORDER BY s.expires_at LIMIT $1::bigint
+                                FOR UPDATE SKIP LOCKED)
+                   AND {exp}
+                 RETURNING 1",
+                sexp = expired("s"),
+            ),
+        }
+    }
+}
+
+/// How one attempt failed.
+enum Failure {
+    /// `40001` or `40P01`: the transaction was rolled back; run it again.
+    Serialization(tokio_postgres::Error),
+    /// The connection failed. `sent`: the statement may have reached the server, so its
+    /// outcome is unknown until read back.
+    Down {
+        error: Box<dyn StdError + Send + Sync>,
+        sent: bool,
+    },
+    /// The server refused the statement; nothing was written.
+    Refused(StoreError),
+}
+
+/// The retry policy of one operation: bounded attempts, and memory of an unknown outcome.
+struct Attempts<'a> {
+    store: &'a PostgresStore,
+    made: u32,
+    reconnects: u32,
+    /// A read, or a write whose repeat needs no read-back: a lost reply is not "unknown".
+    idempotent: bool,
+    /// Set when an earlier attempt may have committed: every statement resolves it by
+    /// reporting whether the row already carries this token.
+    uncertain: Option<Box<dyn StdError + Send + Sync>>,
+}
+
+impl<'a> Attempts<'a> {
+    fn new(store: &'a PostgresStore, idempotent: bool) -> Self {
+        Self {
+            store,
+            made: 0,
+            reconnects: 0,
+            idempotent,
+            uncertain: None,
+        }
+    }
+
+    fn uncertain(&self) -> bool {
+        self.uncertain.is_some()
+    }
+
+    /// `Ok` to try again, or the error to give up with.
+    async fn after(&mut self, failure: Failure) -> Result<(), StoreError> {
+        self.made += 1;
+        match failure {
+            Failure::Serialization(e) => {
+                if self.made >= MAX_ATTEMPTS {
+                    return Err(self.give_up(Some(e.into())));
+                }
+                self.store.retries.fetch_add(1, Ordering::Relaxed);
+                backoff(self.made).await;
+                Ok(())
+            }
+            Failure::Down { error, sent } => {
+                let last = if sent && !self.idempotent && self.uncertain.is_none() {
+                    tracing::debug!(error = %error, "postgres reply lost; reading back");
+                    self.uncertain = Some(error);
+                    None
+                } else {
+                    Some(error)
+                };
+                // A stale pooled connection fails fast, and a fresh one usually works; the
+                // repeat on a fresh connection is also the read-back of a lost reply.
+                if self.reconnects < MAX_RECONNECTS && self.made < MAX_ATTEMPTS {
+                    self.reconnects += 1;
+                    return Ok(());
+                }
+                Err(self.give_up(last))
+            }
+            Failure::Refused(e) => match self.uncertain.take() {
+                Some(first) => Err(StoreError::with_source(StoreErrorKind::Unknown, first)),
+                None => Err(e),
+            },
+        }
+    }
+
+    /// For a lost race (a claim that saw no row it could use): run again, bounded.
+    fn again(&mut self) -> Result<(), StoreError> {
+        self.made += 1;
+        if self.made >= MAX_ATTEMPTS {
+            return Err(self.give_up(Some("the claim kept losing races for the key".into())));
+        }
+        Ok(())
+    }
+
+    fn give_up(&mut self, last: Option<Box<dyn StdError + Send + Sync>>) -> StoreError {
+        match (self.uncertain.take(), last) {
+            (Some(first), last) => {
+                if let Some(last) = last {
+                    tracing::warn!(error = %last, "postgres read-back failed; outcome unknown");
+                }
+                StoreError::with_source(StoreErrorKind::Unknown, first)
+            }
+            (None, Some(last)) => StoreError::with_source(StoreErrorKind::Unavailable, last),
+            (None, None) => StoreError::new(StoreErrorKind::Unavailable),
+        }
+    }
+}
+
+/// None before the first retry (the conflicting transaction has already committed), then a
+/// jittered wait of up to 2^n ms, at most 64 ms.
+async fn backoff(attempt: u32) {
+    if attempt <= 1 {
+        return;
+    }
+    let cap = 1u64 << attempt.min(6);
+    let jitter = u64::from(getrandom::u32().unwrap_or(0)) % (cap + 1);
+    tokio::time::sleep(Duration::from_millis(jitter)).await;
+}
+
+fn micros(d: Duration) -> i64 {
+    i64::try_from(d.as_micros()).map_or(MAX_MICROS, |us| us.min(MAX_MICROS))
+}
+
+/// Drops a connection whose state is unknown instead of returning it to the pool.
+fn discard(client: Object) {
+    drop(Object::take(client));
+}
+
+/// Sorts a driver error. Only SQLSTATEs decide, never message text.
+fn classify(error: tokio_postgres::Error, sent: bool) -> Failure {
+    let Some(code) = error.code() else {
+        // Closed, I/O, protocol: the connection is gone or unusable.
+        return Failure::Down {
+            error: error.into(),
+            sent,
+        };
+    };
+    if *code == SqlState::T_R_SERIALIZATION_FAILURE || *code == SqlState::T_R_DEADLOCK_DETECTED {
+        return Failure::Serialization(error);
+    }
+    // Class 08 (connection exception) and the shutdown codes end the session: treat them
+    // like a dropped connection.
+    if code.code().starts_with("08")
+        || *code == SqlState::ADMIN_SHUTDOWN
+        || *code == SqlState::CRASH_SHUTDOWN
+        || *code == SqlState::CANNOT_CONNECT_NOW
+    {
+        return Failure::Down {
+            error: error.into(),
+            sent,
+        };
+    }
+    Failure::Refused(refused(error))
+}
+
+/// The kind of a server error whose statement did not commit.
+fn refused(error: tokio_postgres::Error) -> StoreError {
+    let kind = match error.code() {
+        Some(c) if *c == SqlState::DISK_FULL => StoreErrorKind::Full,
+        Some(c)
+            if *c == SqlState::QUERY_CANCELED
+                || *c == SqlState::TOO_MANY_CONNECTIONS
+                || *c == SqlState::T_R_SERIALIZATION_FAILURE
+                || *c == SqlState::T_R_DEADLOCK_DETECTED
+                || c.code().starts_with("08")
+                || c.code().starts_with("57P") =>
+        {
+            StoreErrorKind::Unavailable
+        }
+        Some(_) => StoreErrorKind::Other,
+        None => StoreErrorKind::Unavailable,
+    };
+    StoreError::with_source(kind, error)
+}
+
+/// Why stored columns could not be read back.
+#[derive(Debug)]
+struct CorruptRow(&'static str);
+
+impl fmt::Display for CorruptRow {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "corrupt idempotency row: {}", self.0)
+    }
+}
+
+impl StdError for CorruptRow {}
+
+fn corrupt(e: impl Into<Box<dyn StdError + Send + Sync>>) -> StoreError {
+    StoreError::with_source(StoreErrorKind::Corrupt, e)
+}
+
+fn encode_headers(h: &HeaderMap) -> Vec<u8> {
+    let mut out = Vec::with_capacity(1 + 4 + 48 * h.len());
+    out.push(HEADERS_FORMAT);
+    put_headers(&mut out, h);
+    out
+}
+
+fn decode_headers(bytes: Vec<u8>) -> Result<HeaderMap, StoreError> {
+    let mut buf = Bytes::from(bytes);
+    if buf.is_empty() || buf.get_u8() != HEADERS_FORMAT {
+        return Err(corrupt(CorruptRow("unknown headers format")));
+    }
+    let headers = get_headers(&mut buf).map_err(corrupt)?;
+    if buf.has_remaining() {
+        return Err(corrupt(CorruptRow("trailing bytes after headers")));
+    }
+    Ok(headers)
+}
+
+fn column<'r, T: tokio_postgres::types::FromSql<'r>>(
+    row: &'r Row,
+    name: &str,
+) -> Result<T, StoreError> {
+    row.try_get(name).map_err(corrupt)
+}
+
+fn generation(row: &Row) -> Result<u64, StoreError> {
+    let g: i64 = column(row, "generation")?;
+    u64::try_from(g).map_err(|_| corrupt(CorruptRow("negative generation")))
+}
+
+/// Reads the record columns: generation, fingerprint, state, lease_us, status, headers,
+/// body, trailers.
+fn decode_record(row: &Row) -> Result<Record, StoreError> {
+    let fp: Vec<u8> = column(row, "fingerprint")?;
+    let fingerprint = Fingerprint::from_bytes(
+        fp.try_into()
+            .map_err(|_| corrupt(CorruptRow("fingerprint is not 32 bytes")))?,
+    );
+    let state: i16 = column(row, "state")?;
+    let status = || -> Result<StatusCode, StoreError> {
+        let s: i16 = column(row, "status")?;
+        u16::try_from(s)
+            .ok()
+            .and_then(|s| StatusCode::from_u16(s).ok())
+            .ok_or_else(|| corrupt(CorruptRow("invalid status")))
+    };
+    let state = match state {
+        IN_PROGRESS => {
+            let us: i64 = column(row, "lease_us")?;
+            RecordState::InProgress {
+                lease_remaining: Duration::from_micros(u64::try_from(us).unwrap_or(0)),
+            }
+        }
+        RESPONSE => {
+            let headers: Vec<u8> = column(row, "headers")?;
+            let body: Vec<u8> = column(row, "body")?;
+            let trailers: Option<Vec<u8>> = column(row, "trailers")?;
+            RecordState::Completed(Completion::Response(StoredResponse {
+                status: status()?,
+                headers: decode_headers(headers)?,
+                body: Bytes::from(body),
+                trailers: trailers.map(decode_headers).transpose()?,
+            }))
+        }
+        TOMBSTONE => RecordState::Completed(Completion::Tombstone { status: status()? }),
+        _ => return Err(corrupt(CorruptRow("unknown state"))),
+    };
+    Ok(Record {
+        fingerprint,
+        generation: generation(row)?,
+        state,
+    })
+}
+
+/// What the claim statement returned: `None` when it lost a race and must run again.
+fn decode_claim(rows: &[Row], nonce: &[u8; 16]) -> Result<Option<ClaimOutcome>, StoreError> {
+    let mut best: Option<(i16, &Row)> = None;
+    for row in rows {
+        let outcome: i16 = column(row, "outcome")?;
+        if best.is_none_or(|(b, _)| outcome < b) {
+            best = Some((outcome, row));
+        }
+    }
+    let Some((outcome, row)) = best else {
+        return Ok(None);
+    };
+    let generation = generation(row)?;
+    let claimed = |generation: u64| {
+        // A new or replaced record starts at generation 1; a takeover is always above it.
+        Ok(Some(ClaimOutcome::Claimed(Claim {
+            token: Token::from_parts(generation, *nonce),
+            takeover: generation > 1,
+        })))
+    };
+    match outcome {
+        INSERTED | UPDATED => claimed(generation),
+        EXISTING => {
+            let held: Vec<u8> = column(row, "nonce")?;
+            let state: i16 = column(row, "state")?;
+            // Our own nonce: an earlier attempt whose reply was lost did commit.
+            if state == IN_PROGRESS && held.as_slice() == nonce.as_slice() {
+                return claimed(generation);
+            }
+            Ok(Some(ClaimOutcome::Existing(decode_record(row)?)))
+        }
+        _ => Err(corrupt(CorruptRow("unknown claim outcome"))),
+    }
+}
+
+/// The columns of a completion: state, status, headers, body, trailers.
+type CompletionColumns<'a> = (i16, i16, Option<Vec<u8>>, Option<&'a [u8]>, Option<Vec<u8>>);
+
+fn completion_columns(completion: &Completion) -> CompletionColumns<'_> {
+    match completion {
+        Completion::Response(r) => (
+            RESPONSE,
+            r.status.as_u16() as i16,
+            Some(encode_headers(&r.headers)),
+            Some(r.body.as_ref()),
+            r.trailers.as_ref().map(encode_headers),
+        ),
+        Completion::Tombstone { status } => (TOMBSTONE, status.as_u16() as i16, None, None, None),
+    }
+}
+
+fn token_params(token: &Token) -> (i64, &[u8]) {
+    // Stored generations are positive `bigint`s: a token beyond them matches no row.
+    let generation = i64::try_from(token.generation()).unwrap_or(-1);
+    (generation, token.nonce().as_slice())
+}
+
+impl PostgresStore {
+    /// A store on `pool`, in the table `idempotency_records`. Does no I/O.
+    ///
+    /// Each operation borrows a connection for one statement and returns it at once.
+    pub fn new(pool: Pool) -> Self {
+        let table = Table::parse(DEFAULT_TABLE).expect("the default table name is valid");
+        Self::with_parts(pool, table, DEFAULT_TIMEOUT)
+    }
+
+    fn with_parts(pool: Pool, table: Table, timeout: Duration) -> Self {
+        Self {
+            sql: Arc::new(Sql::new(&table)),
+            table: Arc::new(table),
+            pool,
+            timeout,
+            retries: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    /// Connects to `url` (a `postgres://` URL or a key-value string) without TLS, with a pool
+    /// of 16 connections, and checks that one connection opens.
+    ///
+    /// The connections' `application_name` is `tower-idempotency` unless the URL sets one.
+    /// For TLS or other pool settings, build a [`Pool`] and use [`PostgresStore::new`].
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        // A malformed URL is `Other`, with the driver's parse error as source.
+        let mut config: tokio_postgres::Config = url
+            .parse()
+            .map_err(|e| StoreError::with_source(StoreErrorKind::Other, e))?;
+        if config.get_application_name().is_none() {
+            config.application_name("tower-idempotency");
+        }
+        if config.get_connect_timeout().is_none() {
+            config.connect_timeout(DEFAULT_TIMEOUT);
+        }
+        let manager = deadpool_postgres::Manager::from_config(
+            config,
+            tokio_postgres::NoTls,
+            deadpool_postgres::ManagerConfig {
+                recycling_method: deadpool_postgres::RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(16)
+            .runtime(deadpool_postgres::Runtime::Tokio1)
+            .create_timeout(Some(DEFAULT_TIMEOUT))
+            .build()
+            .map_err(|e| StoreError::with_source(StoreErrorKind::Other, e))?;
+        drop(
+            pool.get()
+                .await
+                .map_err(|e| StoreError::with_source(StoreErrorKind::Unavailable, e))?,
+        );
+        Ok(Self::new(pool))
+    }
+
+    /// Uses the table `name`: `table` or `schema.table`, each a lowercase SQL identifier
+    /// (`[a-z_][a-z0-9_]*`; at most 48 bytes for the table, 63 for the schema).
+    ///
+    /// Names are validated, not escaped: anything else is refused.
+    pub fn with_table(self, name: &str) -> Result<Self, ConfigError> {
+        let table = Table::parse(name)?;
+        Ok(Self::with_parts(self.pool, table, self.timeout))
+    }
+
+    /// Bounds each operation (pool checkout plus statement) to `timeout` (default 5 s).
+    ///
+    /// A statement that times out has an unknown outcome; the store reads it back on a fresh
+    /// connection before answering (see the [module docs](self)).
+    #[must_use]
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// The pool, for your own queries and for [`complete_in`](Self::complete_in).
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    /// The table name, as given.
+    pub fn table(&self) -> &str {
+        &self.table.name
+    }
+
+    /// How many times this store (and its clones) retried a statement after a
+    /// serialization failure or a deadlock.
+    pub fn serialization_retries(&self) -> u64 {
+        self.retries.load(Ordering::Relaxed)
+    }
+
+    /// Creates the table and its index if they do not exist.
+    ///
+    /// Idempotent, and safe when many processes run it at once: it takes a transaction-level
+    /// advisory lock first, and still treats a lost creation race (SQLSTATE `42P07`, `42710`,
+    /// or `23505` on the catalog) as done and checks again. The schema must exist.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let client = timeout_at(Instant::now() + self.timeout, self.pool.get())
+                .await
+                .map_err(|e| StoreError::with_source(StoreErrorKind::Unavailable, e))?
+                .map_err(|e| StoreError::with_source(StoreErrorKind::Unavailable, e))?;
+            // One simple-query message: the statements run in one implicit transaction.
+            let Err(e) = client.batch_execute(&self.sql.migrate).await else {
+                return Ok(());
+            };
+            let race = e.code().is_some_and(|c| {
+                *c == SqlState::DUPLICATE_TABLE
+                    || *c == SqlState::DUPLICATE_OBJECT
+                    || *c == SqlState::UNIQUE_VIOLATION
+                    || *c == SqlState::T_R_SERIALIZATION_FAILURE
+                    || *c == SqlState::T_R_DEADLOCK_DETECTED
+            });
+            if !race || attempt >= MAX_ATTEMPTS {
+                if e.code().is_none() {
+                    discard(client);
+                    return Err(StoreError::with_source(StoreErrorKind::Unavailable, e));
+                }
+                return Err(refused(e));
+            }
+            backoff(attempt).await;
+        }
+    }
+
+    /// Deletes expired records in batches of 1000 until none is left, and returns how many
+    /// went. Never deletes an in-progress record whose lease is live, even past `expires_at`.
+    ///
+    /// Each batch is its own short statement; rows a claim is replacing right now are
+    /// skipped, not waited for.
+    pub async fn delete_expired(&self) -> Result<u64, StoreError> {
+        let mut total = 0;
+        loop {
+            let rows = self.run(&self.sql.sweep, &[&SWEEP_BATCH], true).await?;
+            total += rows.len() as u64;
+            if (rows.len() as i64) < SWEEP_BATCH {
+                return Ok(total);
+            }
+        }
+    }
+
+    /// Runs [`delete_expired`](Self::delete_expired) every `every` (at least 1 ms) on a tokio
+    /// task, until the handle is dropped or aborted. Failures are logged and retried at the
+    /// next tick.
+    ///
+    /// One sweeper per table is enough; more only repeat the work (safely).
+    #[must_use = "the sweeper stops when its handle is dropped"]
+    pub fn spawn_sweeper(&self, every: Duration) -> SweeperHandle {
+        let store = self.clone();
+        let every = every.max(Duration::from_millis(1));
+        let task = tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                match store.delete_expired().await {
+                    Ok(0) => {}
+                    Ok(n) => tracing::debug!(deleted = n, "swept expired idempotency records"),
+                    Err(e) => {
+                        tracing::warn!(error = &e as &dyn StdError, "idempotency sweep failed")
+                    }
+                }
+            }
+        });
+        SweeperHandle { task: Some(task) }
+    }
+
+    /// Completes `token`'s claim through `client`, typically inside your own transaction, so
+    /// the recorded answer commits with your writes or not at all.
+    ///
+    /// Fenced like [`complete`](IdempotencyStore::complete): a stale token is
+    /// [`StoreErrorKind::Fenced`] and writes nothing (roll back then). Not retried: a
+    /// serialization failure aborts your transaction, and is [`StoreErrorKind::Unavailable`]
+    /// with the driver error as source; retry the whole transaction.
+    ///
+    /// The statement row-locks the record until you commit, so a takeover (and the layer's
+    /// lease renewal) waits for your outcome: call it last, just before `COMMIT`. After a
+    /// commit, `complete`, `extend` and `release` with this token are fenced.
+    pub async fn complete_in<C>(
+        &self,
+        client: &C,
+        id: &RecordId,
+        token: &Token,
+        completion: &Completion,
+        ttl: Duration,
+    ) -> Result<(), StoreError>
+    where
+        C: GenericClient,
+    {
+        let (generation, nonce) = token_params(token);
+        let (state, status, headers, body, trailers) = completion_columns(completion);
+        let ttl = micros(ttl);
+        let params: [&(dyn ToSql + Sync); 9] = [
+            &id.as_bytes().as_slice(),
+            &generation,
+            &nonce,
+            &state,
+            &status,
+            &headers,
+            &body,
+            &trailers,
+            &ttl,
+        ];
+        let statement = client
+            .prepare_cached(&self.sql.complete)
+            .await
+            .map_err(refused)?;
+        let row = client
+            .query_one(&statement, &params)
+            .await
+            .map_err(refused)?;
+        if column::<bool>(&row, "applied")? {
+            Ok(())
+        } else {
+            Err(StoreError::new(StoreErrorKind::Fenced))
+        }
+    }
+
+    /// One attempt: a pooled connection, the cached statement, within the timeout.
+    async fn attempt(
+        &self,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<Row>, Failure> {
+        let deadline = Instant::now() + self.timeout;
+        let client = match timeout_at(deadline, self.pool.get()).await {
+            Ok(Ok(client)) => client,
+            Ok(Err(e)) => {
+                return Err(Failure::Down {
+                    error: e.into(),
+                    sent: false,
+                })
+            }
+            Err(e) => {
+                return Err(Failure::Down {
+                    error: e.into(),
+                    sent: false,
+                })
+            }
+        };
+        // Preparing has no effect on the data, so a failure here is never "unknown".
+        let statement = match timeout_at(deadline, client.prepare_cached(sql)).await {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => {
+                let failure = classify(e, false);
+                if matches!(failure, Failure::Down { .. }) {
+                    discard(client);
+                }
+                return Err(failure);
+            }
+            Err(e) => {
+                discard(client);
+                return Err(Failure::Down {
+                    error: e.into(),
+                    sent: false,
+                });
+            }
+        };
+        match timeout_at(deadline, client.query(&statement, params)).await {
+            Ok(Ok(rows)) => Ok(rows),
+            Ok(Err(e)) => {
+                let failure = classify(e, true);
+                if matches!(failure, Failure::Down { .. }) {
+                    discard(client);
+                }
+                Err(failure)
+            }
+            Err(e) => {
+                // The reply may still arrive on this connection: never reuse it.
+                discard(client);
+                Err(Failure::Down {
+                    error: e.into(),
+                    sent: true,
+                })
+            }
+        }
+    }
+
+    /// Runs a statement with the retry policy. `idempotent`: a read, or a write whose
+    /// outcome does not matter once lost (a sweep); its lost reply is `Unavailable`.
+    async fn run(
+        &self,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+        idempotent: bool,
+    ) -> Result<Vec<Row>, StoreError> {
+        let mut attempts = Attempts::new(self, idempotent);
+        loop {
+            match self.attempt(sql, params).await {
+                Ok(rows) => return Ok(rows),
+                Err(f) => attempts.after(f).await?,
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl IdempotencyStore for PostgresStore {
+    async fn claim(
+        &self,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<ClaimOutcome, StoreError> {
+        // Our nonce, chosen before sending: it is how a read-back recognises our claim.
+        let nonce = *Token::new(0).nonce();
+        let (lease, ttl) = (micros(lease), micros(ttl));
+        let params: [&(dyn ToSql + Sync); 5] = [
+            &id.as_bytes().as_slice(),
+            &fingerprint.as_bytes().as_slice(),
+            &nonce.as_slice(),
+            &lease,
+            &ttl,
+        ];
+        let mut attempts = Attempts::new(self, false);
+        loop {
+            match self.attempt(&self.sql.claim, &params).await {
+                Ok(rows) => match decode_claim(&rows, &nonce)? {
+                    Some(outcome) => return Ok(outcome),
+                    None => attempts.again()?,
+                },
+                Err(f) => attempts.after(f).await?,
+            }
+        }
+    }
+
+    async fn extend(
+        &self,
+        id: &RecordId,
+        token: &Token,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
+        // Repeating an extend is harmless: its answer is right either way.
+        let (generation, nonce) = token_params(token);
+        let lease = micros(lease);
+        let params: [&(dyn ToSql + Sync); 4] =
+            [&id.as_bytes().as_slice(), &generation, &nonce, &lease];
+        let rows = self.run(&self.sql.extend, &params, false).await?;
+        if rows.is_empty() {
+            return Err(StoreError::new(StoreErrorKind::Fenced));
+        }
+        Ok(())
+    }
+
+    async fn complete(
+        &self,
+        id: &RecordId,
+        token: &Token,
+        completion: &Completion,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let (generation, nonce) = token_params(token);
+        let (state, status, headers, body, trailers) = completion_columns(completion);
+        let ttl = micros(ttl);
+        let params: [&(dyn ToSql + Sync); 9] = [
+            &id.as_bytes().as_slice(),
+            &generation,
+            &nonce,
+            &state,
+            &status,
+            &headers,
+            &body,
+            &trailers,
+            &ttl,
+        ];
+        let mut attempts = Attempts::new(self, false);
+        loop {
+            match self.attempt(&self.sql.complete, &params).await {
+                Ok(rows) => {
+                    let row = rows
+                        .first()
+                        .ok_or_else(|| corrupt(CorruptRow("complete returned no row")))?;
+                    let applied: bool = column(row, "applied")?;
+                    // Completed with our token already: our lost first attempt committed.
+                    let done: bool = column(row, "done")?;
+                    if applied || (done && attempts.uncertain()) {
+                        return Ok(());
+                    }
+                    return Err(StoreError::new(StoreErrorKind::Fenced));
+                }
+                Err(f) => attempts.after(f).await?,
+            }
+        }
+    }
+
+    async fn release(&self, id: &RecordId, token: &Token) -> Result<(), StoreError> {
+        let (generation, nonce) = token_params(token);
+        let params: [&(dyn ToSql + Sync); 3] = [&id.as_bytes().as_slice(), &generation, &nonce];
+        let mut attempts = Attempts::new(self, false);
+        loop {
+            match self.attempt(&self.sql.release, &params).await {
+                Ok(rows) => {
+                    let row = rows
+                        .first()
+                        .ok_or_else(|| corrupt(CorruptRow("release returned no row")))?;
+                    let applied: bool = column(row, "applied")?;
+                    // Gone already after a lost reply: our first attempt deleted it, or it
+                    // expired; the key is free either way.
+                    let present: bool = column(row, "present")?;
+                    if applied || (!present && attempts.uncertain()) {
+                        return Ok(());
+                    }
+                    return Err(StoreError::new(StoreErrorKind::Fenced));
+                }
+                Err(f) => attempts.after(f).await?,
+            }
+        }
+    }
+
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        let rows = self
+            .run(&self.sql.get, &[&id.as_bytes().as_slice()], true)
+            .await?;
+        rows.first().map(decode_record).transpose()
+    }
+}
+
+/// Stops the sweeper of [`PostgresStore::spawn_sweeper`] when dropped or aborted.
+#[derive(Debug)]
+pub struct SweeperHandle {
+    /// `None` only after [`stop`](Self::stop) took it.
+    task: Option<JoinHandle<()>>,
+}
+
+impl SweeperHandle {
+    /// Stops the sweeper at its next await point.
+    pub fn abort(&self) {
+        if let Some(task) = &self.task {
+            task.abort();
+        }
+    }
+
+    /// Stops the sweeper and waits until its task has ended.
+    pub async fn stop(mut self) {
+        if let Some(task) = self.task.take() {
+            task.abort();
+            // A cancelled task ends with a cancellation error: the expected end.
+            let _ = task.await;
+        }
+    }
+}
+
+impl Drop for SweeperHandle {
+    fn drop(&mut self) {
+        self.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_names_are_identifiers_or_schema_qualified() {
+        for ok in ["records", "_r", "app.records", "s1.t_2", "user", "a.order"] {
+            assert!(Table::parse(ok).is_ok(), "{ok}");
+        }
+        for bad in [
+            "",
+            ".",
+            "a.",
+            ".a",
+            "a.b.c",
+            "Records",
+            "1abc",
+            "a-b",
+            "a b",
+            "r\"; DROP TABLE x; --",
+            "a;b",
+            "é",
+            &"x".repeat(MAX_TABLE_LEN + 1),
+        ] {
+            assert!(Table::parse(bad).is_err(), "{bad:?}");
+        }
+        assert!(Table::parse(&"x".repeat(MAX_TABLE_LEN)).is_ok());
+        let t = Table::parse("app.records").unwrap();
+        assert_eq!(t.quoted, "\"app\".\"records\"");
+        assert_eq!(t.index, "\"records_expires_at_idx\"");
+        assert_ne!(t.lock_key, Table::parse("records").unwrap().lock_key);
+    }
+
+    #[test]
+    fn durations_are_bounded_microseconds() {
+        assert_eq!(micros(Duration::from_millis(1500)), 1_500_000);
+        assert_eq!(micros(Duration::from_nanos(999)), 0);
+        assert_eq!(micros(Duration::MAX), MAX_MICROS);
+    }
+
+    #[test]
+    fn headers_columns_round_trip_and_reject_unknown_formats() {
+        let mut h = HeaderMap::new();
+        h.append("link", "<a>".parse().unwrap());
+        h.append("link", "<b>".parse().unwrap());
+        assert_eq!(decode_headers(encode_headers(&h)).unwrap(), h);
+        let mut v2 = encode_headers(&h);
+        v2[0] = 2;
+        assert_eq!(
+            decode_headers(v2).unwrap_err().kind(),
+            StoreErrorKind::Corrupt
+        );
+        assert!(decode_headers(Vec::new()).is_err());
+    }
+}
