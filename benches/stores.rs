@@ -221,6 +221,78 @@ async fn redis_rows(table: &mut Table, url: &str) {
     table.add("redis raw replay (GET)", replay);
 }
 
+#[cfg(feature = "postgres")]
+async fn postgres_rows(table: &mut Table, url: &str) {
+    use tower_idempotency::store::postgres::{deadpool_postgres, tokio_postgres, PostgresStore};
+    let store = PostgresStore::connect(url)
+        .await
+        .expect("connect to Postgres");
+    let store = store.with_table("tidem_bench_records").unwrap();
+    store.migrate().await.unwrap();
+    layer_rows(table, "postgres", Arc::new(store)).await;
+
+    // The raw statements, on a pool of the same size (16) with cached prepared statements.
+    let config: tokio_postgres::Config = url.parse().unwrap();
+    let manager = deadpool_postgres::Manager::new(config, tokio_postgres::NoTls);
+    let pool = deadpool_postgres::Pool::builder(manager)
+        .max_size(16)
+        .build()
+        .unwrap();
+    pool.get()
+        .await
+        .unwrap()
+        .batch_execute(
+            "DROP TABLE IF EXISTS tidem_bench_raw;
+             CREATE TABLE tidem_bench_raw (id bytea PRIMARY KEY, state smallint NOT NULL,
+               body bytea, locked_until timestamptz, expires_at timestamptz NOT NULL)",
+        )
+        .await
+        .unwrap();
+    let p = pool.clone();
+    let new = throughput(move |i| {
+        let p = p.clone();
+        async move {
+            let c = p.get().await.unwrap();
+            let id = i.to_be_bytes().to_vec();
+            let insert = c
+                .prepare_cached(
+                    "INSERT INTO tidem_bench_raw (id, state, locked_until, expires_at)
+                     VALUES ($1, 0, now() + interval '30 s', now() + interval '1 day')
+                     ON CONFLICT DO NOTHING",
+                )
+                .await
+                .unwrap();
+            c.execute(&insert, &[&id]).await.unwrap();
+            let update = c
+                .prepare_cached(
+                    "UPDATE tidem_bench_raw SET state = 1, body = $2 WHERE id = $1 AND state = 0",
+                )
+                .await
+                .unwrap();
+            c.execute(&update, &[&id, &ANSWER]).await.unwrap();
+        }
+    })
+    .await;
+    table.add("postgres raw new (INSERT + UPDATE)", new);
+    let replay = throughput(move |_| {
+        let p = pool.clone();
+        async move {
+            let c = p.get().await.unwrap();
+            let select = c
+                .prepare_cached(
+                    "SELECT state, body FROM tidem_bench_raw WHERE id = $1 AND expires_at > now()",
+                )
+                .await
+                .unwrap();
+            let id = 0u64.to_be_bytes().to_vec();
+            let row = c.query_one(&select, &[&id]).await.unwrap();
+            assert_eq!(row.get::<_, Vec<u8>>(1).len(), ANSWER.len());
+        }
+    })
+    .await;
+    table.add("postgres raw replay (SELECT)", replay);
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     // `cargo bench` passes `--bench`; this harness takes no other arguments.
@@ -246,6 +318,14 @@ async fn main() {
     }
     #[cfg(not(feature = "redis"))]
     eprintln!("SKIPPED redis: built without the `redis` feature");
+
+    #[cfg(feature = "postgres")]
+    match std::env::var("IDEMPOTENCY_TEST_POSTGRES_URL") {
+        Ok(url) => postgres_rows(&mut table, &url).await,
+        Err(_) => eprintln!("SKIPPED postgres: IDEMPOTENCY_TEST_POSTGRES_URL is unset"),
+    }
+    #[cfg(not(feature = "postgres"))]
+    eprintln!("SKIPPED postgres: built without the `postgres` feature");
 
     table.print();
 }

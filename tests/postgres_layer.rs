@@ -1,0 +1,223 @@
+//! `IdempotencyLayer` over `PostgresStore`: duplicates, connections while a handler runs, and
+//! a handler that records its answer inside its own transaction.
+#![cfg(feature = "postgres")]
+
+mod common;
+mod pg_support;
+mod support;
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, Request, Response, StatusCode};
+use http_body_util::Full;
+use pg_support::{admin, store_in, TestSchema};
+use support::{body_bytes, post};
+use tokio::sync::{Barrier, Notify};
+use tower::{service_fn, Layer, ServiceExt};
+use tower_idempotency::store::postgres::PostgresStore;
+use tower_idempotency::store::IdempotencyStore;
+use tower_idempotency::{
+    Completion, IdempotencyContext, IdempotencyLayer, RecordDecision, RequestBody, StoredResponse,
+};
+
+const APP: &str = "tidem-layer";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sixty_four_duplicates_run_once_and_no_connection_idles_in_a_transaction() {
+    let Some(url) = pg_support::url() else { return };
+    let schema = TestSchema::create(&url, "layer64").await;
+    let app_name = format!("{APP}-{}", schema.name);
+    let store = store_in(&url, &schema, 16, &app_name).await;
+    let (calls, gate, started) = (
+        Arc::new(AtomicUsize::new(0)),
+        Arc::new(Notify::new()),
+        Arc::new(Notify::new()),
+    );
+    let inner = {
+        let (calls, gate, started) = (calls.clone(), gate.clone(), started.clone());
+        service_fn(move |_req: Request<RequestBody<Full<Bytes>>>| {
+            let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
+            let (gate, started) = (gate.clone(), started.clone());
+            async move {
+                started.notify_one();
+                gate.notified().await;
+                let mut res = Response::new(Full::new(Bytes::from(format!("pay_{n}"))));
+                *res.status_mut() = StatusCode::CREATED;
+                Ok::<_, Infallible>(res)
+            }
+        })
+    };
+    let svc = IdempotencyLayer::new(store).layer(inner);
+    let barrier = Arc::new(Barrier::new(64));
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    for _ in 0..64 {
+        let (svc, barrier, tx) = (svc.clone(), barrier.clone(), tx.clone());
+        tokio::spawn(async move {
+            barrier.wait().await;
+            let res = svc
+                .oneshot(post("/pay", Some("dup-64"), "{}"))
+                .await
+                .unwrap();
+            tx.send((res.status().as_u16(), body_bytes(res).await))
+                .unwrap();
+        });
+    }
+    started.notified().await;
+    let mut by_status = BTreeMap::new();
+    for _ in 0..63 {
+        let (status, _) = rx.recv().await.unwrap();
+        *by_status.entry(status).or_insert(0) += 1;
+    }
+    assert_eq!(by_status, BTreeMap::from([(409, 63)]));
+
+    // The winner's handler is still held at the gate: its claim committed, and none of the
+    // store's connections sits in an open transaction meanwhile.
+    let activity = admin(&url)
+        .await
+        .query(
+            "SELECT state FROM pg_stat_activity WHERE application_name = $1",
+            &[&app_name],
+        )
+        .await
+        .unwrap();
+    assert!(!activity.is_empty(), "the store's connections are visible");
+    let states: Vec<Option<String>> = activity.iter().map(|r| r.get(0)).collect();
+    assert!(
+        states
+            .iter()
+            .all(|s| s.as_deref() != Some("idle in transaction")),
+        "{states:?}"
+    );
+
+    gate.notify_one();
+    let (status, body) = rx.recv().await.unwrap();
+    assert_eq!((status, body), (201, Bytes::from("pay_1")));
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    let replay = svc
+        .oneshot(post("/pay", Some("dup-64"), "{}"))
+        .await
+        .unwrap();
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    assert_eq!(body_bytes(replay).await, "pay_1");
+    schema.drop_now().await;
+}
+
+/// A handler that inserts a payment and records its answer in the same transaction. The first
+/// attempt rolls back (as if the business write failed) and answers 503.
+async fn transactional_handler(
+    store: Arc<PostgresStore>,
+    payments: String,
+    attempts: Arc<AtomicUsize>,
+    req: Request<RequestBody<Full<Bytes>>>,
+) -> Result<Response<Full<Bytes>>, Infallible> {
+    let attempt = attempts.fetch_add(1, Ordering::SeqCst) + 1;
+    let ctx = req
+        .extensions()
+        .get::<IdempotencyContext>()
+        .unwrap()
+        .clone();
+    let mut client = store.pool().get().await.unwrap();
+    let tx = client.transaction().await.unwrap();
+    let id = format!("pay_{attempt}");
+    tx.execute(&format!("INSERT INTO {payments} (id) VALUES ($1)"), &[&id])
+        .await
+        .unwrap();
+    let body = Bytes::from(format!(r#"{{"id":"{id}"}}"#));
+    let mut headers = HeaderMap::new();
+    headers.insert("content-type", "application/json".parse().unwrap());
+    let answer = Completion::Response(StoredResponse {
+        status: StatusCode::CREATED,
+        headers: headers.clone(),
+        body: body.clone(),
+        trailers: None,
+    });
+    store
+        .complete_in(
+            &tx,
+            &ctx.record_id(),
+            &ctx.token(),
+            &answer,
+            Duration::from_secs(3600),
+        )
+        .await
+        .unwrap();
+    if attempt == 1 {
+        tx.rollback().await.unwrap();
+        let mut res = Response::new(Full::new(Bytes::from_static(b"try again")));
+        *res.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+        return Ok(res);
+    }
+    tx.commit().await.unwrap();
+    let mut res = Response::new(Full::new(body));
+    *res.status_mut() = StatusCode::CREATED;
+    *res.headers_mut() = headers;
+    res.extensions_mut().insert(RecordDecision::AlreadyRecorded);
+    Ok(res)
+}
+
+#[tokio::test]
+async fn a_handler_records_its_answer_in_its_own_transaction_or_not_at_all() {
+    let Some(url) = pg_support::url() else { return };
+    let schema = TestSchema::create(&url, "layertx").await;
+    let store = Arc::new(store_in(&url, &schema, 4, APP).await);
+    let payments = format!("{}.payments", schema.name);
+    admin(&url)
+        .await
+        .batch_execute(&format!("CREATE TABLE {payments} (id text PRIMARY KEY)"))
+        .await
+        .unwrap();
+    let attempts = Arc::new(AtomicUsize::new(0));
+    let inner = {
+        let (store, payments, attempts) = (store.clone(), payments.clone(), attempts.clone());
+        service_fn(move |req| {
+            transactional_handler(store.clone(), payments.clone(), attempts.clone(), req)
+        })
+    };
+    let svc = IdempotencyLayer::from_arc(store.clone()).layer(inner);
+    let count = || async {
+        let row = admin(&url)
+            .await
+            .query_one(&format!("SELECT count(*) FROM {payments}"), &[])
+            .await
+            .unwrap();
+        row.get::<_, i64>(0)
+    };
+
+    // Rolled back: no payment, no recorded answer, and the key runs again at once.
+    let first = svc
+        .clone()
+        .oneshot(post("/pay", Some("tx-key"), "{}"))
+        .await
+        .unwrap();
+    assert_eq!(first.status(), 503);
+    assert_eq!(count().await, 0);
+    let id = tower_idempotency::RecordId::new(None, "tx-key");
+    assert!(
+        store.get(&id).await.unwrap().is_none(),
+        "released, nothing recorded"
+    );
+
+    // Committed: the payment and the answer together; the retry replays it.
+    let second = svc
+        .clone()
+        .oneshot(post("/pay", Some("tx-key"), "{}"))
+        .await
+        .unwrap();
+    assert_eq!(second.status(), 201);
+    assert_eq!(body_bytes(second).await, r#"{"id":"pay_2"}"#);
+    assert_eq!(count().await, 1);
+    let replay = svc
+        .oneshot(post("/pay", Some("tx-key"), "{}"))
+        .await
+        .unwrap();
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    assert_eq!(replay.headers()["content-type"], "application/json");
+    assert_eq!(body_bytes(replay).await, r#"{"id":"pay_2"}"#);
+    assert_eq!((attempts.load(Ordering::SeqCst), count().await), (2, 1));
+    schema.drop_now().await;
+}
