@@ -4,15 +4,16 @@
 #[path = "../examples/grpc/app.rs"]
 #[allow(dead_code)]
 mod app;
+mod support;
 
 use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::{BufMut, Bytes, BytesMut};
 use http_body_util::BodyExt as _;
 use prost::Message as _;
+use support::DownStore;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, Barrier, Notify};
 use tokio_stream::wrappers::TcpListenerStream;
@@ -20,12 +21,8 @@ use tonic::service::Routes;
 use tonic::transport::{Channel, Server};
 use tonic::{Code, Request, Status};
 use tower::ServiceExt as _;
-use tower_idempotency::store::{
-    ClaimOutcome, IdempotencyStore, MemoryStore, StoreError, StoreErrorKind,
-};
-use tower_idempotency::{
-    Completion, Fingerprint, IdempotencyLayer, Record, RecordId, Retention, Token,
-};
+use tower_idempotency::store::{IdempotencyStore, MemoryStore};
+use tower_idempotency::{IdempotencyLayer, Retention};
 
 use app::pb::payments_client::PaymentsClient;
 use app::pb::{CountChargesRequest, CreatePaymentRequest, CreatePaymentsRequest, Payment};
@@ -698,48 +695,6 @@ async fn the_server_wide_and_the_per_service_forms_both_serve() {
             .unwrap_err();
         assert_eq!(status.code(), Code::InvalidArgument);
         assert_eq!(h.charges().await, 1);
-    }
-}
-
-/// A store whose every call fails.
-struct DownStore;
-
-fn down() -> StoreError {
-    StoreError::new(StoreErrorKind::Unavailable)
-}
-
-#[async_trait]
-impl IdempotencyStore for DownStore {
-    async fn claim(
-        &self,
-        _: &RecordId,
-        _: &Fingerprint,
-        _: Duration,
-        _: Duration,
-    ) -> Result<ClaimOutcome, StoreError> {
-        Err(down())
-    }
-
-    async fn extend(&self, _: &RecordId, _: &Token, _: Duration) -> Result<(), StoreError> {
-        Err(down())
-    }
-
-    async fn complete(
-        &self,
-        _: &RecordId,
-        _: &Token,
-        _: &Completion,
-        _: Duration,
-    ) -> Result<(), StoreError> {
-        Err(down())
-    }
-
-    async fn release(&self, _: &RecordId, _: &Token) -> Result<(), StoreError> {
-        Err(down())
-    }
-
-    async fn get(&self, _: &RecordId) -> Result<Option<Record>, StoreError> {
-        Err(down())
     }
 }
 

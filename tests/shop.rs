@@ -2,6 +2,8 @@
 
 #[path = "../examples/shop/app.rs"]
 mod app;
+#[path = "../examples/common/mod.rs"]
+mod example_env;
 mod support;
 
 use std::collections::BTreeMap;
@@ -271,11 +273,11 @@ fn shop_config_defaults_match_the_documented_values() {
         eprintln!("SKIPPED: a shop env var is set in this environment");
         return;
     }
-    let c = app::ShopConfig::from_env().unwrap();
-    assert_eq!(c.card_latency, Duration::from_millis(50));
-    assert_eq!(c.retention, Retention::default());
+    let (card_latency, retention) = example_env::settings_from_env().unwrap();
+    assert_eq!(card_latency, Duration::from_millis(50));
+    assert_eq!(retention, Retention::default());
     assert_eq!(
-        (c.retention.lease(), c.retention.ttl()),
+        (retention.lease(), retention.ttl()),
         (Duration::from_secs(30), Duration::from_secs(86_400))
     );
 }

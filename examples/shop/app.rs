@@ -24,25 +24,6 @@ pub(crate) struct ShopConfig {
     pub(crate) retention: Retention,
 }
 
-impl ShopConfig {
-    /// Reads `CARD_LATENCY_MS`, `IDEMPOTENCY_LEASE_MS` and `IDEMPOTENCY_TTL_SECS`.
-    pub(crate) fn from_env() -> Result<Self, Box<dyn std::error::Error>> {
-        let num = |var: &str, default: u64| -> Result<u64, Box<dyn std::error::Error>> {
-            match std::env::var(var) {
-                Ok(v) => v.parse().map_err(|e| format!("{var}={v:?}: {e}").into()),
-                Err(_) => Ok(default),
-            }
-        };
-        Ok(Self {
-            card_latency: Duration::from_millis(num("CARD_LATENCY_MS", 50)?),
-            retention: Retention::new(
-                Duration::from_millis(num("IDEMPOTENCY_LEASE_MS", 30_000)?),
-                Duration::from_secs(num("IDEMPOTENCY_TTL_SECS", 86_400)?),
-            )?,
-        })
-    }
-}
-
 /// The fake card network and the id counters.
 #[derive(Debug)]
 pub(crate) struct Shop {
