@@ -382,3 +382,63 @@ impl IdempotencyStore for MemoryStore {
             .map(|e| e.record(now)))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fp() -> Fingerprint {
+        Fingerprint::from_bytes([1; 32])
+    }
+
+    async fn completed(store: &MemoryStore, key: &str, ttl: Duration) {
+        let id = RecordId::new(None, key);
+        let ClaimOutcome::Claimed(c) = store.claim(&id, &fp(), ttl, ttl).await.unwrap() else {
+            panic!("fresh key")
+        };
+        let done = Completion::Tombstone {
+            status: http::StatusCode::OK,
+        };
+        store.complete(&id, &c.token, &done, ttl).await.unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn expired_records_are_swept_when_a_shard_is_next_touched() {
+        let store = MemoryStore::builder()
+            .shards(NonZeroUsize::new(1).unwrap())
+            .sweep_interval(Duration::from_secs(5))
+            .build();
+        for key in ["a", "b", "c"] {
+            completed(&store, key, Duration::from_secs(1)).await;
+        }
+        assert_eq!(store.len(), 3);
+        tokio::time::advance(Duration::from_secs(2)).await;
+        // Expired but not yet swept: the interval has not passed.
+        assert_eq!(store.len(), 3);
+        assert!(store
+            .get(&RecordId::new(None, "a"))
+            .await
+            .unwrap()
+            .is_none());
+        tokio::time::advance(Duration::from_secs(4)).await;
+        completed(&store, "d", Duration::from_secs(60)).await;
+        assert_eq!(store.len(), 1, "the touch swept the expired three");
+        let before = store.inner.bytes.load(Ordering::Relaxed);
+        assert_eq!(before, ENTRY_OVERHEAD, "their bytes were returned too");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn purge_expired_removes_only_expired_records() {
+        let store = MemoryStore::new();
+        completed(&store, "short", Duration::from_secs(1)).await;
+        completed(&store, "long", Duration::from_secs(60)).await;
+        tokio::time::advance(Duration::from_secs(2)).await;
+        assert_eq!(store.purge_expired(), 1);
+        assert_eq!(store.len(), 1);
+        assert!(store
+            .get(&RecordId::new(None, "long"))
+            .await
+            .unwrap()
+            .is_some());
+    }
+}
