@@ -1,4 +1,6 @@
 //! Settings both examples read from the environment.
+// The examples and the tests that include this file each use part of it.
+#![allow(dead_code)]
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,7 +29,6 @@ pub(crate) fn settings_from_env() -> Result<(Duration, Retention), BoxError> {
 
 /// The store `IDEMPOTENCY_STORE` names: unset or `memory`, `redis://…` (feature `redis`) or
 /// `postgres://…` (feature `postgres`, migrated on start).
-#[allow(dead_code)] // the tests include this file for `settings_from_env` alone
 pub(crate) async fn store_from_env() -> Result<Arc<dyn IdempotencyStore>, BoxError> {
     let url = std::env::var("IDEMPOTENCY_STORE").unwrap_or_default();
     if url.is_empty() || url == "memory" {
