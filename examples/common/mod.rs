@@ -10,6 +10,16 @@ use tower_idempotency::Retention;
 
 pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
+/// Logs to stderr; `RUST_LOG` overrides the default `info`.
+pub(crate) fn init_tracing() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,tower_idempotency=info".into()),
+        )
+        .init();
+}
+
 /// `CARD_LATENCY_MS` (default 50) and the retention from `IDEMPOTENCY_LEASE_MS` (default
 /// 30000) and `IDEMPOTENCY_TTL_SECS` (default 86400).
 pub(crate) fn settings_from_env() -> Result<(Duration, Retention), BoxError> {

@@ -21,12 +21,7 @@ mod common;
 
 #[tokio::main]
 async fn main() -> Result<(), common::BoxError> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info,tower_idempotency=info".into()),
-        )
-        .init();
+    common::init_tracing();
     let (card_latency, retention) = common::settings_from_env()?;
     let config = app::ShopConfig {
         card_latency,

@@ -772,6 +772,45 @@ fn completion_columns(completion: &Completion) -> CompletionColumns<'_> {
     }
 }
 
+/// The complete statement's parameters, shared by `complete` and `complete_in`.
+struct CompleteParams<'a> {
+    id: &'a [u8],
+    generation: i64,
+    nonce: &'a [u8],
+    columns: CompletionColumns<'a>,
+    ttl: i64,
+}
+
+impl<'a> CompleteParams<'a> {
+    fn new(id: &'a RecordId, token: &'a Token, completion: &'a Completion, ttl: Duration) -> Self {
+        let (generation, nonce) = token_params(token);
+        Self {
+            id: id.as_bytes().as_slice(),
+            generation,
+            nonce,
+            columns: completion_columns(completion),
+            ttl: micros(ttl),
+        }
+    }
+
+    /// $1 id, $2 generation, $3 nonce, $4 state, $5 status, $6 headers, $7 body,
+    /// $8 trailers, $9 ttl µs.
+    fn params(&self) -> [&(dyn ToSql + Sync); 9] {
+        let (state, status, headers, body, trailers) = &self.columns;
+        [
+            &self.id,
+            &self.generation,
+            &self.nonce,
+            state,
+            status,
+            headers,
+            body,
+            trailers,
+            &self.ttl,
+        ]
+    }
+}
+
 fn token_params(token: &Token) -> (i64, &[u8]) {
     // Stored generations are positive `bigint`s: a token beyond them matches no row.
     let generation = i64::try_from(token.generation()).unwrap_or(-1);
@@ -968,20 +1007,8 @@ impl PostgresStore {
     where
         C: GenericClient,
     {
-        let (generation, nonce) = token_params(token);
-        let (state, status, headers, body, trailers) = completion_columns(completion);
-        let ttl = micros(ttl);
-        let params: [&(dyn ToSql + Sync); 9] = [
-            &id.as_bytes().as_slice(),
-            &generation,
-            &nonce,
-            &state,
-            &status,
-            &headers,
-            &body,
-            &trailers,
-            &ttl,
-        ];
+        let owned = CompleteParams::new(id, token, completion, ttl);
+        let params = owned.params();
         let statement = client
             .prepare_cached(&self.sql.complete)
             .await
@@ -1131,20 +1158,8 @@ impl IdempotencyStore for PostgresStore {
         completion: &Completion,
         ttl: Duration,
     ) -> Result<(), StoreError> {
-        let (generation, nonce) = token_params(token);
-        let (state, status, headers, body, trailers) = completion_columns(completion);
-        let ttl = micros(ttl);
-        let params: [&(dyn ToSql + Sync); 9] = [
-            &id.as_bytes().as_slice(),
-            &generation,
-            &nonce,
-            &state,
-            &status,
-            &headers,
-            &body,
-            &trailers,
-            &ttl,
-        ];
+        let owned = CompleteParams::new(id, token, completion, ttl);
+        let params = owned.params();
         let mut attempts = Attempts::new(self, false);
         loop {
             match self.attempt(&self.sql.complete, &params).await {
