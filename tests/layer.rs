@@ -570,10 +570,7 @@ async fn excluded_json_fields_and_included_headers_shape_the_fingerprint() {
 async fn an_in_progress_key_is_409_with_retry_after_until_the_first_finishes() {
     let app = App::default();
     let s = svc(IdempotencyLayer::new(MemoryStore::new()), &app);
-    let first = tokio::spawn({
-        let s = s.clone();
-        async move { call(&s, post("/gated", Some("k"), "{}")).await }
-    });
+    let first = tokio::spawn(call(&s, post("/gated", Some("k"), "{}")));
     app.started.notified().await;
     let res = call(&s, post("/gated", Some("k"), "{}")).await;
     let retry_after: u64 = res.headers()["retry-after"]
@@ -753,18 +750,10 @@ async fn a_response_future_dropped_during_the_claim_releases_a_won_claim() {
 async fn a_panicking_handler_releases_the_claim_and_propagates_the_panic() {
     let app = App::default();
     let s = svc(IdempotencyLayer::new(MemoryStore::new()), &app);
-    let joined = tokio::spawn({
-        let s = s.clone();
-        async move { call(&s, post("/panic", Some("k"), "{}")).await }
-    })
-    .await;
+    let joined = tokio::spawn(call(&s, post("/panic", Some("k"), "{}"))).await;
     assert!(joined.unwrap_err().is_panic());
     // Released: the retry runs again (and panics again) instead of getting 409.
-    let again = tokio::spawn({
-        let s = s.clone();
-        async move { call(&s, post("/panic", Some("k"), "{}")).await }
-    })
-    .await;
+    let again = tokio::spawn(call(&s, post("/panic", Some("k"), "{}"))).await;
     assert!(again.unwrap_err().is_panic());
     assert_eq!(app.calls(), 2);
 }
@@ -797,10 +786,7 @@ async fn the_lease_is_renewed_while_a_slow_handler_runs() {
         IdempotencyLayer::new(store.clone()).with_retention(retention),
         &app,
     );
-    let first = tokio::spawn({
-        let s = s.clone();
-        async move { call(&s, post("/gated", Some("k"), "{}")).await }
-    });
+    let first = tokio::spawn(call(&s, post("/gated", Some("k"), "{}")));
     app.started.notified().await;
     // Ten leases of (paused, auto-advanced) time later the claim still holds: renewed
     // every lease / 3 = 1 s, so about 30 times.
@@ -1128,15 +1114,9 @@ async fn wait_mode_replays_the_first_answer_instead_of_409() {
         IdempotencyLayer::new(MemoryStore::new()).with_wait(Duration::from_secs(30)),
         &app,
     );
-    let first = tokio::spawn({
-        let s = s.clone();
-        async move { call(&s, post("/gated", Some("k"), "{}")).await }
-    });
+    let first = tokio::spawn(call(&s, post("/gated", Some("k"), "{}")));
     app.started.notified().await;
-    let second = tokio::spawn({
-        let s = s.clone();
-        async move { call(&s, post("/gated", Some("k"), "{}")).await }
-    });
+    let second = tokio::spawn(call(&s, post("/gated", Some("k"), "{}")));
     app.gate.notify_one();
     let (a, b) = (first.await.unwrap(), second.await.unwrap());
     assert_eq!(b.headers()["idempotent-replayed"], "true");
@@ -1154,10 +1134,7 @@ async fn wait_mode_falls_back_to_409_when_the_wait_times_out() {
         IdempotencyLayer::new(MemoryStore::new()).with_wait(Duration::from_secs(2)),
         &app,
     );
-    let first = tokio::spawn({
-        let s = s.clone();
-        async move { call(&s, post("/gated", Some("k"), "{}")).await }
-    });
+    let first = tokio::spawn(call(&s, post("/gated", Some("k"), "{}")));
     app.started.notified().await;
     let second = call(&s, post("/gated", Some("k"), "{}")).await;
     assert_eq!(second.status(), 409);
