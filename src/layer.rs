@@ -20,17 +20,30 @@ use crate::store::IdempotencyStore;
 /// under load would eat the whole interval.
 pub const MIN_LEASE: Duration = Duration::from_millis(100);
 
-/// How long a claim is held and how long an answer is kept.
+/// The default store deadline is `lease / 6`, capped at this.
+///
+/// The arithmetic: renewals are due every `lease / 3`, counted from the moment the claim was
+/// sent. A renewal that hangs is abandoned at its deadline, `lease / 6` later, half an
+/// interval before the next one is due, so one hung call never delays the next. Two
+/// renewals in a row can fail and the third still lands before the lease lapses. With the
+/// default 30 s lease the deadline is 1 s (the cap: a healthy store answers in
+/// milliseconds); with a 2 s lease it is 333 ms.
+pub const DEFAULT_STORE_TIMEOUT_MAX: Duration = Duration::from_secs(1);
+
+/// How long a claim is held, how long an answer is kept, and how long one store call may take.
 ///
 /// - `lease` (default 30 s): how long a claim holds the key without news from its holder.
 ///   The holder renews it every `lease / 3`, so two renewals in a row can fail before it
 ///   lapses. A holder that crashes blocks retries (409) for at most one lease; then a retry
 ///   with the same request takes over.
 /// - `ttl` (default 24 h): how long a completed answer is kept, counted from completion.
+/// - the store deadline (default `lease / 6`, at most [`DEFAULT_STORE_TIMEOUT_MAX`]): every
+///   store call the layer makes is abandoned past it, and its outcome is then unknown.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Retention {
     lease: Duration,
     ttl: Duration,
+    store_timeout: Option<Duration>,
 }
 
 impl Retention {
@@ -46,7 +59,28 @@ impl Retention {
                 "ttl {ttl:?} is shorter than the lease {lease:?}"
             )));
         }
-        Ok(Self { lease, ttl })
+        Ok(Self {
+            lease,
+            ttl,
+            store_timeout: None,
+        })
+    }
+
+    /// Bounds every store call the layer makes (claim, extend, complete, release, get).
+    ///
+    /// Refused unless `0 < timeout < lease / 3`: a renewal must end, one way or the other,
+    /// before the next one is due. A call past its deadline is "unknown": a claim is then
+    /// answered 503 and released in the background if it did take effect, a renewal is
+    /// retried at its next time, a complete or release is retried while the lease lives.
+    pub fn with_store_timeout(mut self, timeout: Duration) -> Result<Self, ConfigError> {
+        if timeout.is_zero() || timeout >= self.lease / 3 {
+            return Err(ConfigError::new(format!(
+                "store timeout {timeout:?} must be above zero and below a third of the lease {:?}",
+                self.lease
+            )));
+        }
+        self.store_timeout = Some(timeout);
+        Ok(self)
     }
 
     /// The lease.
@@ -58,6 +92,13 @@ impl Retention {
     pub fn ttl(&self) -> Duration {
         self.ttl
     }
+
+    /// The deadline on each store call: the one set, or `lease / 6` capped at
+    /// [`DEFAULT_STORE_TIMEOUT_MAX`].
+    pub fn store_timeout(&self) -> Duration {
+        self.store_timeout
+            .unwrap_or_else(|| (self.lease / 6).min(DEFAULT_STORE_TIMEOUT_MAX))
+    }
 }
 
 impl Default for Retention {
@@ -65,6 +106,7 @@ impl Default for Retention {
         Self {
             lease: Duration::from_secs(30),
             ttl: Duration::from_secs(24 * 60 * 60),
+            store_timeout: None,
         }
     }
 }
@@ -86,6 +128,7 @@ pub(crate) struct Config {
     pub(crate) recorded_headers: Vec<HeaderName>,
     pub(crate) policy: Arc<dyn RecordPolicy>,
     pub(crate) fail_open: bool,
+    pub(crate) release_on_no_store: bool,
     pub(crate) wait: Option<Duration>,
     pub(crate) renderer: Option<Renderer>,
     pub(crate) max_grpc_request_body: usize,
@@ -178,6 +221,7 @@ impl IdempotencyLayer {
                 recorded_headers: default_recorded_headers(),
                 policy: Arc::new(DefaultRecordPolicy),
                 fail_open: false,
+                release_on_no_store: false,
                 wait: None,
                 renderer: None,
                 max_grpc_request_body: 4 << 20,
@@ -271,9 +315,21 @@ impl IdempotencyLayer {
     }
 
     /// Replaces the default [`RecordPolicy`]. A handler's [`RecordDecision`](crate::RecordDecision)
-    /// extension and `Cache-Control: no-store` still come first.
+    /// extension (and `Cache-Control: no-store`, when
+    /// [`with_release_on_no_store`](Self::with_release_on_no_store) is on) still come first.
     pub fn with_record_policy(self, policy: impl RecordPolicy) -> Self {
         self.edit(|c| c.policy = Arc::new(policy))
+    }
+
+    /// Releases, instead of recording, answers sent with `Cache-Control: no-store` (default
+    /// `false`).
+    ///
+    /// Off by default: many APIs send `no-store` on every response (the usual advice for
+    /// sensitive data), and reading it as "do not record" would silently turn idempotency off
+    /// and let a retry charge a card twice. To release one answer, put
+    /// [`RecordDecision::Release`](crate::RecordDecision::Release) into its extensions.
+    pub fn with_release_on_no_store(self, release: bool) -> Self {
+        self.edit(|c| c.release_on_no_store = release)
     }
 
     /// When the store fails, run the request unprotected instead of answering 503.
@@ -289,8 +345,11 @@ impl IdempotencyLayer {
         self.edit(|c| c.wait = Some(max))
     }
 
-    /// Renders the layer's errors yourself. The typed [`IdempotencyError`] also goes into the
-    /// response extensions, whichever renderer is used.
+    /// Renders the layer's HTTP errors yourself. The typed [`IdempotencyError`] also goes into
+    /// the response extensions, whichever renderer is used.
+    ///
+    /// gRPC requests always get a gRPC status (a trailers-only response): a gRPC client
+    /// cannot read an HTTP 409 or 422, so the renderer is not called for them.
     pub fn with_error_renderer<F>(self, render: F) -> Self
     where
         F: Fn(&IdempotencyError) -> Response<Bytes> + Send + Sync + 'static,
@@ -340,6 +399,27 @@ impl<S> Layer<S> for IdempotencyLayer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_store_timeout_defaults_to_a_sixth_of_the_lease_capped_and_must_stay_below_a_third() {
+        let r = |lease_ms| Retention::new(Duration::from_millis(lease_ms), Duration::MAX).unwrap();
+        assert_eq!(r(30_000).store_timeout(), Duration::from_secs(1));
+        assert_eq!(
+            r(2_000).store_timeout(),
+            Duration::from_millis(333) + Duration::from_nanos(333_333)
+        );
+        assert_eq!(r(100).store_timeout(), Duration::from_nanos(16_666_666));
+        let three = r(3_000);
+        assert!(
+            three.with_store_timeout(Duration::from_secs(1)).is_err(),
+            "lease / 3 itself"
+        );
+        assert!(three.with_store_timeout(Duration::ZERO).is_err());
+        let ok = three
+            .with_store_timeout(Duration::from_millis(999))
+            .unwrap();
+        assert_eq!(ok.store_timeout(), Duration::from_millis(999));
+    }
 
     #[test]
     fn retention_refuses_tiny_leases_and_ttls_shorter_than_the_lease() {

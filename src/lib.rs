@@ -151,7 +151,7 @@ pub use body::{RequestBody, ResponseBody};
 pub use context::IdempotencyContext;
 pub use error::{ConfigError, ErrorKind, IdempotencyError};
 pub use fingerprint::JsonPointer;
-pub use layer::{IdempotencyLayer, Retention, MIN_LEASE};
+pub use layer::{IdempotencyLayer, Retention, DEFAULT_STORE_TIMEOUT_MAX, MIN_LEASE};
 pub use policy::{DefaultRecordPolicy, RecordDecision, RecordPolicy, ResponseInfo};
 pub use record::{
     Completion, DecodeError, Fingerprint, Record, RecordId, RecordState, StoredResponse, Token,
