@@ -16,7 +16,7 @@ use conformance::{fp, response, unique_id, DynStore};
 use pg_support::{admin, eventually, mode, pool, pool_from, store_in, unique, Proxy, TestSchema};
 use tokio::sync::{Barrier, Notify};
 use tower_idempotency::store::postgres::PostgresStore;
-use tower_idempotency::store::{ClaimOutcome, IdempotencyStore, StoreErrorKind};
+use tower_idempotency::store::{ClaimOutcome, IdempotencyStore, StoreError, StoreErrorKind};
 use tower_idempotency::{RecordState, Token};
 
 const LEASE: Duration = Duration::from_secs(30);
@@ -35,9 +35,114 @@ async fn conformance_store() -> Option<DynStore> {
     Some(Arc::new(store) as DynStore)
 }
 
-// No `full:` store: Postgres has no record limit of its own here (see the module docs).
+/// A store that fills up at 40 records. Postgres has no record limit of its own; it is full
+/// when its disk is (SQLSTATE `53100`, which the store answers as `Full`). Filling a real disk
+/// is out of reach of a test on a shared server, so a trigger raises that same SQLSTATE for
+/// an insert of a new id beyond 40 rows, as the server does when it cannot write a new tuple.
+/// A claim of an existing id inserts nothing, so replays still work, as on a full disk.
+async fn full_store() -> Option<DynStore> {
+    let url = pg_support::url()?;
+    let schema = TestSchema::create(&url, "full").await;
+    let store = store_in(&url, &schema, 4, "tidem-full").await;
+    let table = schema.table();
+    admin(&url)
+        .await
+        .batch_execute(&format!(
+            "CREATE FUNCTION {s}.refuse_when_full() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 IF NOT EXISTS (SELECT FROM {table} WHERE id = NEW.id)
+                    AND (SELECT count(*) FROM {table}) >= 40 THEN
+                     RAISE EXCEPTION 'could not extend file: No space left on device'
+                         USING ERRCODE = 'disk_full';
+                 END IF;
+                 RETURN NEW;
+             END $$;
+             CREATE TRIGGER refuse_when_full BEFORE INSERT ON {table}
+                 FOR EACH ROW EXECUTE FUNCTION {s}.refuse_when_full();",
+            s = schema.name
+        ))
+        .await
+        .unwrap();
+    Some(Arc::new(WithSchema {
+        store,
+        schema: Some(schema),
+    }) as DynStore)
+}
+
+/// A store that drops its schema when dropped.
+struct WithSchema {
+    store: PostgresStore,
+    schema: Option<TestSchema>,
+}
+
+impl Drop for WithSchema {
+    fn drop(&mut self) {
+        let Some(schema) = self.schema.take() else {
+            return;
+        };
+        // Drop runs inside the test's runtime: drop the schema from a thread of its own.
+        std::thread::spawn(move || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap()
+                .block_on(schema.drop_now());
+        })
+        .join()
+        .unwrap();
+    }
+}
+
+#[async_trait::async_trait]
+impl IdempotencyStore for WithSchema {
+    async fn claim(
+        &self,
+        id: &tower_idempotency::RecordId,
+        fingerprint: &tower_idempotency::Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<ClaimOutcome, StoreError> {
+        self.store.claim(id, fingerprint, lease, ttl).await
+    }
+
+    async fn extend(
+        &self,
+        id: &tower_idempotency::RecordId,
+        token: &Token,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
+        self.store.extend(id, token, lease).await
+    }
+
+    async fn complete(
+        &self,
+        id: &tower_idempotency::RecordId,
+        token: &Token,
+        completion: &tower_idempotency::Completion,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        self.store.complete(id, token, completion, ttl).await
+    }
+
+    async fn release(
+        &self,
+        id: &tower_idempotency::RecordId,
+        token: &Token,
+    ) -> Result<(), StoreError> {
+        self.store.release(id, token).await
+    }
+
+    async fn get(
+        &self,
+        id: &tower_idempotency::RecordId,
+    ) -> Result<Option<tower_idempotency::Record>, StoreError> {
+        self.store.get(id).await
+    }
+}
+
 conformance_suite! {
     store: conformance_store(),
+    full: full_store(),
 }
 
 fn claimed(outcome: ClaimOutcome) -> Token {
@@ -564,14 +669,14 @@ async fn lost_claim_reply_is_read_back_as_claimed() {
         direct.get(&id).await.unwrap().unwrap().state,
         RecordState::Completed(response(201, "once"))
     );
-    // A complete that really is a second one stays fenced.
+    // A second complete with the same token is a resend: Ok, and the first answer stands.
+    store
+        .complete(&id, &token, &response(500, "twice"), TTL)
+        .await
+        .expect("idempotent per token");
     assert_eq!(
-        store
-            .complete(&id, &token, &response(500, "twice"), TTL)
-            .await
-            .unwrap_err()
-            .kind(),
-        StoreErrorKind::Fenced
+        direct.get(&id).await.unwrap().unwrap().state,
+        RecordState::Completed(response(201, "once"))
     );
 
     // And for a release.
@@ -932,25 +1037,32 @@ async fn complete_in_a_committed_transaction_replays_with_the_business_write() {
         .unwrap()
         .get(0);
     assert_eq!(n, 1);
-    // The layer must not complete or release after the handler did: both are fenced.
-    assert_eq!(
-        store
-            .complete(&id, &token, &response(500, "again"), TTL)
-            .await
-            .unwrap_err()
-            .kind(),
-        StoreErrorKind::Fenced
-    );
+    // A complete after the handler's is a resend: Ok, and changes nothing. A release is
+    // fenced: the record is completed.
+    store
+        .complete(&id, &token, &response(500, "again"), TTL)
+        .await
+        .expect("idempotent per token");
     assert_eq!(
         store.release(&id, &token).await.unwrap_err().kind(),
         StoreErrorKind::Fenced
+    );
+    assert_eq!(
+        store.get(&id).await.unwrap().unwrap().state,
+        RecordState::Completed(response(201, "ordered"))
     );
     // A forged token is fenced inside a transaction too.
     let other = unique_id("tx-forged");
     claimed(store.claim(&other, &fp(1), LEASE, TTL).await.unwrap());
     let conn = store.pool().get().await.unwrap();
     let err = store
-        .complete_in(&conn, &other, &Token::new(1), &response(200, "x"), TTL)
+        .complete_in(
+            &conn,
+            &other,
+            &Token::generate(1).unwrap(),
+            &response(200, "x"),
+            TTL,
+        )
         .await
         .unwrap_err();
     assert_eq!(err.kind(), StoreErrorKind::Fenced);

@@ -318,6 +318,7 @@ struct Sql {
     extend: String,
     complete: String,
     release: String,
+    held: String,
     get: String,
     sweep: String,
 }
@@ -449,6 +450,12 @@ impl Sql {
                  SELECT EXISTS (SELECT FROM del) AS applied,
                         EXISTS (SELECT FROM {t} AS r WHERE r.id = $1 AND NOT {exp}) AS present"
             ),
+            // $1 id, $2 generation, $3 nonce: a fresh look at the live row, if any, after a
+            // write that changed nothing (its own snapshot may predate a late commit).
+            held: format!(
+                "SELECT r.generation = $2::bigint AND r.nonce = $3::bytea AS mine, r.state
+                 FROM {t} AS r WHERE r.id = $1::bytea AND NOT {exp}"
+            ),
             get: format!("SELECT {record_cols} FROM {t} AS r WHERE r.id = $1::bytea AND NOT {exp}"),
             // SKIP LOCKED: never wait behind a claim that is replacing an expired row.
             sweep: format!(
@@ -499,10 +506,6 @@ impl<'a> Attempts<'a> {
             idempotent,
             uncertain: None,
         }
-    }
-
-    fn uncertain(&self) -> bool {
-        self.uncertain.is_some()
     }
 
     /// `Ok` to try again, or the error to give up with.
@@ -722,7 +725,11 @@ fn decode_record(row: &Row) -> Result<Record, StoreError> {
 }
 
 /// What the claim statement returned: `None` when it lost a race and must run again.
-fn decode_claim(rows: &[Row], nonce: &[u8; 16]) -> Result<Option<ClaimOutcome>, StoreError> {
+fn decode_claim(
+    rows: &[Row],
+    fingerprint: &Fingerprint,
+    nonce: &[u8; 16],
+) -> Result<Option<ClaimOutcome>, StoreError> {
     let mut best: Option<(i16, &Row)> = None;
     for row in rows {
         let outcome: i16 = column(row, "outcome")?;
@@ -746,11 +753,16 @@ fn decode_claim(rows: &[Row], nonce: &[u8; 16]) -> Result<Option<ClaimOutcome>, 
         EXISTING => {
             let held: Vec<u8> = column(row, "nonce")?;
             let state: i16 = column(row, "state")?;
-            // Our own nonce: an earlier attempt whose reply was lost did commit.
-            if state == IN_PROGRESS && held.as_slice() == nonce.as_slice() {
+            let record = decode_record(row)?;
+            // Our own nonce and request: an earlier attempt whose reply was lost did commit.
+            // Equal nonces alone never prove that, so the fingerprint must match too.
+            if state == IN_PROGRESS
+                && held.as_slice() == nonce.as_slice()
+                && record.fingerprint == *fingerprint
+            {
                 return claimed(generation);
             }
-            Ok(Some(ClaimOutcome::Existing(decode_record(row)?)))
+            Ok(Some(ClaimOutcome::Existing(record)))
         }
         _ => Err(corrupt(CorruptRow("unknown claim outcome"))),
     }
@@ -995,7 +1007,8 @@ impl PostgresStore {
     ///
     /// The statement row-locks the record until you commit, so a takeover (and the layer's
     /// lease renewal) waits for your outcome: call it last, just before `COMMIT`. After a
-    /// commit, `complete`, `extend` and `release` with this token are fenced.
+    /// commit, `extend` and `release` with this token are fenced, and `complete` answers `Ok`
+    /// (the answer is recorded already).
     pub async fn complete_in<C>(
         &self,
         client: &C,
@@ -1017,11 +1030,23 @@ impl PostgresStore {
             .query_one(&statement, &params)
             .await
             .map_err(refused)?;
-        if column::<bool>(&row, "applied")? {
+        if column::<bool>(&row, "applied")? || column::<bool>(&row, "done")? {
             Ok(())
         } else {
             Err(StoreError::new(StoreErrorKind::Fenced))
         }
+    }
+
+    /// A fresh read of the live row: `(held by token, state)`, or `None` when absent. Run
+    /// before answering `Fenced`: a write's own snapshot can predate a commit it then waited
+    /// for (a first attempt whose reply was lost, committing late).
+    async fn held(&self, id: &RecordId, token: &Token) -> Result<Option<(bool, i16)>, StoreError> {
+        let (generation, nonce) = token_params(token);
+        let params: [&(dyn ToSql + Sync); 3] = [&id.as_bytes().as_slice(), &generation, &nonce];
+        let rows = self.run(&self.sql.held, &params, true).await?;
+        rows.first()
+            .map(|row| Ok((column(row, "mine")?, column(row, "state")?)))
+            .transpose()
     }
 
     /// One attempt: a pooled connection, the cached statement, within the timeout.
@@ -1112,7 +1137,7 @@ impl IdempotencyStore for PostgresStore {
         ttl: Duration,
     ) -> Result<ClaimOutcome, StoreError> {
         // Our nonce, chosen before sending: it is how a read-back recognises our claim.
-        let nonce = *Token::new(0).nonce();
+        let nonce = *Token::generate(0)?.nonce();
         let (lease, ttl) = (micros(lease), micros(ttl));
         let params: [&(dyn ToSql + Sync); 5] = [
             &id.as_bytes().as_slice(),
@@ -1124,7 +1149,7 @@ impl IdempotencyStore for PostgresStore {
         let mut attempts = Attempts::new(self, false);
         loop {
             match self.attempt(&self.sql.claim, &params).await {
-                Ok(rows) => match decode_claim(&rows, &nonce)? {
+                Ok(rows) => match decode_claim(&rows, fingerprint, &nonce)? {
                     Some(outcome) => return Ok(outcome),
                     None => attempts.again()?,
                 },
@@ -1168,12 +1193,16 @@ impl IdempotencyStore for PostgresStore {
                         .first()
                         .ok_or_else(|| corrupt(CorruptRow("complete returned no row")))?;
                     let applied: bool = column(row, "applied")?;
-                    // Completed with our token already: our lost first attempt committed.
+                    // Completed with our token already: a resend, or our lost first attempt
+                    // committed. Either way our answer is stored.
                     let done: bool = column(row, "done")?;
-                    if applied || (done && attempts.uncertain()) {
+                    if applied || done {
                         return Ok(());
                     }
-                    return Err(StoreError::new(StoreErrorKind::Fenced));
+                    return match self.held(id, token).await? {
+                        Some((true, state)) if state != IN_PROGRESS => Ok(()),
+                        _ => Err(StoreError::new(StoreErrorKind::Fenced)),
+                    };
                 }
                 Err(f) => attempts.after(f).await?,
             }
@@ -1191,13 +1220,16 @@ impl IdempotencyStore for PostgresStore {
                         .first()
                         .ok_or_else(|| corrupt(CorruptRow("release returned no row")))?;
                     let applied: bool = column(row, "applied")?;
-                    // Gone already after a lost reply: our first attempt deleted it, or it
-                    // expired; the key is free either way.
+                    // Gone already: an earlier attempt deleted it, or it expired; the key is
+                    // free either way.
                     let present: bool = column(row, "present")?;
-                    if applied || (!present && attempts.uncertain()) {
+                    if applied || !present {
                         return Ok(());
                     }
-                    return Err(StoreError::new(StoreErrorKind::Fenced));
+                    return match self.held(id, token).await? {
+                        None => Ok(()),
+                        Some(_) => Err(StoreError::new(StoreErrorKind::Fenced)),
+                    };
                 }
                 Err(f) => attempts.after(f).await?,
             }
@@ -1296,5 +1328,50 @@ mod tests {
             StoreErrorKind::Corrupt
         );
         assert!(decode_headers(Vec::new()).is_err());
+    }
+
+    #[tokio::test]
+    async fn equal_nonces_with_different_fingerprints_claim_once() {
+        let Some(url) = crate::store::test_backend_url("IDEMPOTENCY_TEST_POSTGRES_URL") else {
+            return;
+        };
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+            % 1_000_000_000;
+        let table = format!("tidem_unit_{}_{nanos}", std::process::id());
+        let store = PostgresStore::connect(&url)
+            .await
+            .unwrap()
+            .with_table(&table)
+            .unwrap();
+        store.migrate().await.unwrap();
+        crate::store::equal_nonces_with_different_fingerprints_claim_once(&store).await;
+        let client = store.pool().get().await.unwrap();
+        client
+            .batch_execute(&format!("DROP TABLE {table}"))
+            .await
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_failed_random_source_fails_the_claim_before_any_io() {
+        // A pool that would never connect: the claim must fail before it tries.
+        let config: tokio_postgres::Config = "host=127.0.0.1 port=1 user=nobody".parse().unwrap();
+        let manager = deadpool_postgres::Manager::new(config, tokio_postgres::NoTls);
+        let pool = Pool::builder(manager).max_size(1).build().unwrap();
+        let store = PostgresStore::new(pool);
+        let id = RecordId::new(None, "k");
+        let fp = Fingerprint::from_bytes([1; 32]);
+        crate::record::FAIL_RANDOM.with(|f| f.set(true));
+        let r = store
+            .claim(&id, &fp, Duration::from_secs(1), Duration::from_secs(1))
+            .await;
+        crate::record::FAIL_RANDOM.with(|f| f.set(false));
+        let e = r.unwrap_err();
+        assert_eq!(e.kind(), StoreErrorKind::Unavailable);
+        let cause = StdError::source(&e).unwrap().to_string();
+        assert!(cause.contains("random"), "{cause}");
     }
 }

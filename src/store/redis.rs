@@ -89,9 +89,9 @@
 //! node and runs it again, for a single node and for a cluster alike. The scripts are also
 //! loaded when the store is built. `WAIT` goes to the primary of the record's slot.
 //!
-//! The cluster client itself resends a command whose connection dropped. A claim is safe to
-//! resend (it is idempotent for its nonce); a `complete` or `release` that had landed answers
-//! `Fenced` the second time, which the layer logs while the record is already right.
+//! The cluster client itself resends a command whose connection dropped. Every script is safe
+//! to resend: a claim is idempotent for its nonce and fingerprint, a `complete` that had landed
+//! answers `Ok` the second time, and so does a `release` that had deleted the record.
 //!
 //! # Requirements
 //!
@@ -189,8 +189,9 @@ local now = now_ms()
 local r = redis.call('HMGET', key, 'v', 'f', 'g', 'n', 'l', 'c')
 if r[1] then
   if r[1] == ARGV[5] and not r[6] then
-    if r[4] == nonce then
-      -- Our own claim, sent again after a lost reply.
+    if r[4] == nonce and r[2] == fp then
+      -- Our own claim, sent again after a lost reply. The fingerprint must match too:
+      -- equal nonces alone never prove it is the same request.
       return {0, tonumber(r[3])}
     end
     if r[2] == fp and tonumber(r[5]) <= now then
@@ -210,30 +211,37 @@ redis.call('PEXPIRE', key, int(math.max(ttl, lease)))
 return {0, 1}
 ";
 
-// The fence shared by complete, extend and release: generation and nonce match, in progress.
-// ARGV[1] generation, ARGV[2] nonce. Replies 0 (fenced, nothing written) when it fails.
+// The fence shared by complete, extend and release: `held` when generation and nonce match.
+// ARGV[1] generation, ARGV[2] nonce. Each script replies 0 (fenced, nothing written) or 1.
 const FENCE: &str = r"
 local key = KEYS[1]
 local r = redis.call('HMGET', key, 'g', 'n', 'c')
-if r[1] ~= ARGV[1] or r[2] ~= ARGV[2] or r[3] then return 0 end
+local held = r[1] == ARGV[1] and r[2] == ARGV[2]
 ";
 
 // ARGV[3] lease ms. The key lives at least one more lease.
 const EXTEND: &str = r"
+if not held or r[3] then return 0 end
 local lease = tonumber(ARGV[3])
 redis.call('HSET', key, 'l', int(now_ms() + lease))
 if redis.call('PTTL', key) < lease then redis.call('PEXPIRE', key, int(lease)) end
 return 1
 ";
 
-// ARGV[3] encoded completion, ARGV[4] ttl ms: retention starts now.
+// ARGV[3] encoded completion, ARGV[4] ttl ms: retention starts now. Completed by this token
+// already: a resend, whose answer is there; done, and the retention is not restarted.
 const COMPLETE: &str = r"
+if not held then return 0 end
+if r[3] then return 1 end
 redis.call('HSET', key, 'c', ARGV[3])
 redis.call('PEXPIRE', key, ARGV[4])
 return 1
 ";
 
+// Absent: released by an earlier attempt, or expired; the key is free either way.
 const RELEASE: &str = r"
+if not r[1] then return 1 end
+if not held or r[3] then return 0 end
 redis.call('DEL', key)
 return 1
 ";
@@ -964,7 +972,7 @@ impl IdempotencyStore for RedisStore {
     ) -> Result<ClaimOutcome, StoreError> {
         let key = self.key(id);
         // The nonce is made here, so a claim whose reply is lost can be recognised.
-        let nonce = *Token::new(0).nonce();
+        let nonce = *Token::generate(0)?.nonce();
         let mut inv = self.inner.scripts.claim.script.key(&key);
         inv.arg(&fingerprint.as_bytes()[..])
             .arg(&nonce[..])
@@ -977,7 +985,11 @@ impl IdempotencyStore for RedisStore {
                 Ok(v) => parse_claim(v, nonce)?,
                 Err(Failure::Certain(e)) => return Err(e),
                 Err(Failure::Uncertain(e)) => match self.read(&key, &nonce).await {
-                    Ok(Some(found)) if found.mine && !found.completed() => {
+                    Ok(Some(found))
+                        if found.mine
+                            && !found.completed()
+                            && found.record.fingerprint == *fingerprint =>
+                    {
                         claimed(found.record.generation, nonce)
                     }
                     Ok(Some(found)) => ClaimOutcome::Existing(found.record),
@@ -1221,5 +1233,24 @@ mod tests {
             msg.contains("CONFIG SET maxmemory-policy noeviction"),
             "{msg}"
         );
+    }
+
+    #[tokio::test]
+    async fn equal_nonces_with_different_fingerprints_claim_once() {
+        let Some(url) = crate::store::test_backend_url("IDEMPOTENCY_TEST_REDIS_URL") else {
+            return;
+        };
+        let prefix = format!(
+            "tidem-unit-{}-{:?}:",
+            std::process::id(),
+            std::time::Instant::now()
+        );
+        let prefix = prefix.replace(['{', '}'], "");
+        let store = RedisStore::builder()
+            .with_key_prefix(prefix)
+            .connect(&url)
+            .await
+            .unwrap();
+        crate::store::equal_nonces_with_different_fingerprints_claim_once(&store).await;
     }
 }
