@@ -1070,3 +1070,177 @@ async fn complete_in_a_committed_transaction_replays_with_the_business_write() {
     drop(store);
     schema.drop_now().await;
 }
+
+/// Holds the row of `id` locked (`SELECT … FOR UPDATE` in an open transaction) until dropped
+/// or `release`d.
+struct RowLock(tokio_postgres_client::Client);
+
+use tower_idempotency::store::postgres::tokio_postgres as tokio_postgres_client;
+
+impl RowLock {
+    async fn take(url: &str, table: &str, id: &tower_idempotency::RecordId) -> Self {
+        let client = admin(url).await;
+        client
+            .batch_execute(&format!(
+                "BEGIN; SELECT FROM {table} WHERE id = decode('{}', 'hex') FOR UPDATE",
+                id.to_hex()
+            ))
+            .await
+            .unwrap();
+        Self(client)
+    }
+
+    async fn release(self) {
+        self.0.batch_execute("COMMIT").await.unwrap();
+    }
+}
+
+/// Statements of `app` still running on the server (waiting on a lock included).
+async fn running(url: &str, app: &str) -> i64 {
+    admin(url)
+        .await
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 \
+             AND state = 'active'",
+            &[&app],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+async fn locked_until(url: &str, table: &str, id: &tower_idempotency::RecordId) -> String {
+    admin(url)
+        .await
+        .query_one(
+            &format!("SELECT locked_until::text FROM {table} WHERE id = $1"),
+            &[&id.as_bytes().as_slice()],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// A store from `connect` sets `lock_timeout` below its deadline: a statement blocked on a
+/// row lock is ended by the server (55P03), a known failure with nothing written, within the
+/// one deadline of the operation, and leaves no statement running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blocked_statement_is_ended_by_the_server_within_the_deadline() {
+    let Some(url) = pg_support::url() else { return };
+    let schema = TestSchema::create(&url, "locktimeout").await;
+    let app = unique("lockapp");
+    let timeout = Duration::from_millis(300);
+    let store = PostgresStore::connect(&format!("{url}?application_name={app}"))
+        .await
+        .unwrap()
+        .with_table(&schema.table())
+        .unwrap()
+        .with_timeout(timeout);
+    store.migrate().await.unwrap();
+    let id = unique_id("locked");
+    let token = claimed(store.claim(&id, &fp(1), LEASE, TTL).await.unwrap());
+    let before = locked_until(&url, &schema.table(), &id).await;
+
+    let lock = RowLock::take(&url, &schema.table(), &id).await;
+    let started = std::time::Instant::now();
+    let err = store.extend(&id, &token, LEASE).await.unwrap_err();
+    let took = started.elapsed();
+    assert_eq!(err.kind(), StoreErrorKind::Unavailable, "{err:?}");
+    let code = std::error::Error::source(&err)
+        .and_then(|e| e.downcast_ref::<pg_support::PgError>())
+        .and_then(|e| e.code().cloned());
+    assert_eq!(
+        code,
+        Some(tokio_postgres_client::error::SqlState::LOCK_NOT_AVAILABLE),
+        "{err:?}"
+    );
+    // One deadline for the whole operation (it used to be one per attempt: 3 × 300 ms).
+    assert!(
+        took < timeout * 2,
+        "extend took {took:?} with a {timeout:?} timeout"
+    );
+    // The backend reports itself idle just after it answered: wait for that, not longer.
+    assert!(
+        eventually(2, || async { running(&url, &app).await == 0 }).await,
+        "a statement was left running"
+    );
+    lock.release().await;
+    assert_eq!(locked_until(&url, &schema.table(), &id).await, before);
+    store.extend(&id, &token, LEASE).await.unwrap();
+    drop(store);
+    schema.drop_now().await;
+}
+
+/// On a pool without server-side timeouts, a statement the store gives up on is cancelled on
+/// the server: no backend keeps waiting, and it never applies after the lock is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timed_out_statement_is_cancelled_on_the_server() {
+    let Some(url) = pg_support::url() else { return };
+    let schema = TestSchema::create(&url, "cancel").await;
+    let app = unique("cancelapp");
+    let store = store_in(&url, &schema, 2, &app)
+        .await
+        .with_timeout(Duration::from_millis(300));
+    let id = unique_id("cancel");
+    let token = claimed(store.claim(&id, &fp(1), LEASE, TTL).await.unwrap());
+    let before = locked_until(&url, &schema.table(), &id).await;
+
+    let lock = RowLock::take(&url, &schema.table(), &id).await;
+    let err = store.extend(&id, &token, LEASE).await.unwrap_err();
+    // The first attempt timed out, and so did the read-back: the outcome is unknown.
+    assert_eq!(err.kind(), StoreErrorKind::Unknown, "{err:?}");
+    assert!(
+        eventually(5, || async { running(&url, &app).await == 0 }).await,
+        "the timed-out statements still run on the server"
+    );
+    lock.release().await;
+    // Nothing was left to apply once the lock was gone.
+    assert_eq!(locked_until(&url, &schema.table(), &id).await, before);
+    drop(store);
+    schema.drop_now().await;
+}
+
+/// A `complete` whose statement snapshot predates the commit it waited for (the same
+/// token's other attempt, committing late) answers `Ok` after a fresh read, not `Fenced`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_complete_that_lost_to_its_own_late_commit_is_ok() {
+    let Some(url) = pg_support::url() else { return };
+    let schema = TestSchema::create(&url, "latecommit").await;
+    let app = unique("lateapp");
+    let store = store_in(&url, &schema, 4, &app).await;
+    let id = unique_id("late");
+    let token = claimed(store.claim(&id, &fp(1), LEASE, TTL).await.unwrap());
+
+    let lock = RowLock::take(&url, &schema.table(), &id).await;
+    let first = {
+        let store = store.clone();
+        tokio::spawn(async move {
+            store
+                .complete(&id, &token, &response(201, "first"), TTL)
+                .await
+        })
+    };
+    assert!(eventually(5, || async { running(&url, &app).await == 1 }).await);
+    let second = {
+        let store = store.clone();
+        tokio::spawn(async move {
+            store
+                .complete(&id, &token, &response(201, "first"), TTL)
+                .await
+        })
+    };
+    // Both wait on the lock, the second behind the first.
+    assert!(eventually(5, || async { running(&url, &app).await == 2 }).await);
+    lock.release().await;
+    first.await.unwrap().expect("the first attempt applies");
+    second
+        .await
+        .unwrap()
+        .expect("the resend finds its own answer: Ok, not Fenced");
+    assert_eq!(
+        store.get(&id).await.unwrap().unwrap().state,
+        RecordState::Completed(response(201, "first"))
+    );
+    drop(store);
+    schema.drop_now().await;
+}

@@ -58,10 +58,11 @@
 //!   and no pool connection is held while the handler works.
 //! - **Fencing**: `extend`, `complete` and `release` put the generation *and* the nonce in
 //!   their `WHERE` clause. Zero rows is [`StoreErrorKind::Fenced`], and nothing was written.
-//! - **One clock**: every time is the database's `statement_timestamp()` (which is `now()`
+//! - **One clock**: every time is the database's: `statement_timestamp()` (which is `now()`
 //!   for the store's own single-statement transactions, and stays correct inside a long
-//!   transaction for [`complete_in`](PostgresStore::complete_in)); the lease left is computed
-//!   in SQL.
+//!   transaction for [`complete_in`](PostgresStore::complete_in)), and `clock_timestamp()`
+//!   for the end of a lease, so time a statement spent waiting on a row lock does not shorten
+//!   the lease it grants; the lease left is computed in SQL.
 //! - **Unknown outcomes**: the nonce is generated here, not in SQL. When a statement was sent
 //!   and the reply is lost (a timeout, a dropped connection), the store drops that connection
 //!   and runs the statement again on a fresh one. The claim, complete and release statements
@@ -69,8 +70,15 @@
 //!   committed" (the row carries my nonce) from "someone else's record"; a repeated extend is
 //!   simply right. If that read-back fails too, the answer is [`StoreErrorKind::Unknown`],
 //!   never `Claimed`. Failures before anything was sent (no connection), and lost replies to
-//!   reads, are [`StoreErrorKind::Unavailable`]. Each operation, pool checkout included, is
-//!   bounded by [`with_timeout`](PostgresStore::with_timeout) (5 s by default).
+//!   reads, are [`StoreErrorKind::Unavailable`].
+//! - **One deadline per operation**: pool checkout, statements, retries and read-back
+//!   together are bounded by [`with_timeout`](PostgresStore::with_timeout) (5 s by default).
+//!   A statement the store gives up on is cancelled on the server with the driver's cancel
+//!   token, so no backend keeps running it. On connections from
+//!   [`connect`](PostgresStore::connect), `statement_timeout` and `lock_timeout` sit below
+//!   that deadline, so a statement blocked on a lock is ended by the server first: a known
+//!   failure (SQLSTATE `57014` or `55P03`, rolled back), [`StoreErrorKind::Unavailable`]
+//!   with no read-back needed. TCP keepalives notice a half-open connection after a failover.
 //! - **Statements are prepared once per connection** (deadpool's statement cache). Use
 //!   [`RecyclingMethod::Fast`](deadpool_postgres::RecyclingMethod::Fast) (deadpool's
 //!   default, and what [`connect`](PostgresStore::connect) sets): `Verified` costs one more
@@ -200,8 +208,47 @@ use crate::record::{
 /// The table [`PostgresStore::new`] uses.
 pub const DEFAULT_TABLE: &str = "idempotency_records";
 
-/// Default bound on one operation: pool checkout plus the statement.
+/// Default bound on one operation: pool checkout, statement, retries and read-back.
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
+
+// How one operation spends its budget T (`with_timeout`, DEFAULT_TIMEOUT by default):
+//
+// - the whole operation (checkout, prepare, statement, retries, read-back) ends at T;
+// - the first attempt of a write ends at 2T/3 (FIRST_TRY_SHARE thirds), so when its reply is
+//   lost a read-back on a fresh connection still has T/3 (connect plus one statement);
+// - on the connections `connect` opens, the server itself aborts a lock wait at
+//   lock_timeout = 2T/5 (55P03) and any statement at statement_timeout = T/2 (57014). Both
+//   come before the client's 2T/3 whenever checkout and prepare take less than T/6, so a
+//   blocked statement ends as a known failure (rolled back: no read-back needed) rather than
+//   an unknown one;
+// - a statement the client gives up on anyway is cancelled on the server (cancel token).
+//
+// With T = 300 ms: locks wait 120 ms, statements run 150 ms, the first try ends at 200 ms and
+// the read-back has 100 ms.
+const FIRST_TRY_SHARE: u32 = 2;
+
+/// `statement_timeout` and `lock_timeout` for operations bounded by `t` (see above), in whole
+/// milliseconds, at least 1 (0 would turn them off).
+fn server_timeouts(t: Duration) -> (u128, u128) {
+    let ms = |d: Duration| d.as_millis().max(1);
+    (ms(t / 2), ms(t * 2 / 5))
+}
+
+/// The connection options `connect` adds: the server-side timeouts for `t`.
+fn timeout_options(existing: Option<&str>, t: Duration) -> String {
+    let (statement, lock) = server_timeouts(t);
+    let ours = format!("-c statement_timeout={statement} -c lock_timeout={lock}");
+    match existing {
+        Some(o) if !o.trim().is_empty() => format!("{o} {ours}"),
+        _ => ours,
+    }
+}
+
+/// TCP keepalive probes: a half-open connection (a failed-over server) is noticed in about
+/// 30 s + 3 × 10 s, not the OS default of two hours.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+const KEEPALIVE_RETRIES: u32 = 3;
 
 /// Attempts per operation, for serialization failures and lost races.
 const MAX_ATTEMPTS: u32 = 8;
@@ -242,6 +289,8 @@ const EXISTING: i16 = 2;
 #[derive(Clone)]
 pub struct PostgresStore {
     pool: Pool,
+    /// The driver config when `connect` built the pool: `with_timeout` rebuilds it then.
+    config: Option<Arc<tokio_postgres::Config>>,
     table: Arc<Table>,
     sql: Arc<Sql>,
     timeout: Duration,
@@ -371,27 +420,30 @@ impl Sql {
             ),
             // $1 id, $2 fingerprint, $3 nonce, $4 lease µs, $5 ttl µs.
             // A new record is kept max(lease, ttl); a takeover keeps the retention and
-            // extends it to cover the new lease, so expires_at >= locked_until always.
+            // extends it to cover the new lease, so expires_at >= locked_until (to the
+            // microsecond: the predicates above never rely on it). Leases start at
+            // clock_timestamp(), when the row is written: time spent waiting on a row lock
+            // does not shorten them.
             claim: format!(
                 "WITH ins AS (
                      INSERT INTO {t} AS r (id, fingerprint, state, generation, nonce,
                                            locked_until, created_at, expires_at)
                      VALUES ($1::bytea, $2::bytea, 0, 1, $3::bytea,
-                             statement_timestamp() + $4::bigint {us},
+                             clock_timestamp() + $4::bigint {us},
                              statement_timestamp(),
-                             statement_timestamp() + GREATEST($4::bigint, $5::bigint) {us})
+                             clock_timestamp() + GREATEST($4::bigint, $5::bigint) {us})
                      ON CONFLICT (id) DO NOTHING
                      RETURNING r.generation
                  ), upd AS (
                      UPDATE {t} AS r SET
                          fingerprint = $2, state = 0, nonce = $3,
                          generation = CASE WHEN {exp} THEN 1 ELSE r.generation + 1 END,
-                         locked_until = statement_timestamp() + $4 {us},
+                         locked_until = clock_timestamp() + $4 {us},
                          created_at = CASE WHEN {exp} THEN statement_timestamp()
                                       ELSE r.created_at END,
                          expires_at = CASE WHEN {exp}
-                                      THEN statement_timestamp() + GREATEST($4, $5) {us}
-                                      ELSE GREATEST(r.expires_at, statement_timestamp() + $4 {us})
+                                      THEN clock_timestamp() + GREATEST($4, $5) {us}
+                                      ELSE GREATEST(r.expires_at, clock_timestamp() + $4 {us})
                                       END,
                          status = NULL, headers = NULL, body = NULL, trailers = NULL
                      WHERE r.id = $1 AND ({exp} OR {lapsed})
@@ -420,8 +472,8 @@ impl Sql {
             // $1 id, $2 generation, $3 nonce, $4 lease µs.
             extend: format!(
                 "UPDATE {t} AS r SET
-                     locked_until = statement_timestamp() + $4::bigint {us},
-                     expires_at = GREATEST(r.expires_at, statement_timestamp() + $4::bigint {us})
+                     locked_until = clock_timestamp() + $4::bigint {us},
+                     expires_at = GREATEST(r.expires_at, clock_timestamp() + $4::bigint {us})
                  WHERE {fenced}
                  RETURNING 1"
             ),
@@ -485,9 +537,14 @@ enum Failure {
     Refused(StoreError),
 }
 
-/// The retry policy of one operation: bounded attempts, and memory of an unknown outcome.
+/// The retry policy of one operation: bounded attempts within one deadline, and memory of an
+/// unknown outcome.
 struct Attempts<'a> {
     store: &'a PostgresStore,
+    /// The first attempt ends here, leaving the rest of the budget to a read-back.
+    first_by: Instant,
+    /// The whole operation ends here, read-back included.
+    end: Instant,
     made: u32,
     reconnects: u32,
     /// A read, or a write whose repeat needs no read-back: a lost reply is not "unknown".
@@ -499,12 +556,30 @@ struct Attempts<'a> {
 
 impl<'a> Attempts<'a> {
     fn new(store: &'a PostgresStore, idempotent: bool) -> Self {
+        let start = Instant::now();
         Self {
             store,
+            first_by: start + store.timeout * FIRST_TRY_SHARE / 3,
+            end: start + store.timeout,
             made: 0,
             reconnects: 0,
             idempotent,
             uncertain: None,
+        }
+    }
+
+    /// The deadline of the next attempt, or the error to give up with once the operation's
+    /// own deadline has passed. A write whose outcome is still known keeps a third of the
+    /// budget back, for reading back a reply it may lose.
+    fn deadline(&mut self) -> Result<Instant, StoreError> {
+        let now = Instant::now();
+        if now >= self.end {
+            return Err(self.give_up(Some(Box::new(DeadlinePassed(self.store.timeout)))));
+        }
+        if !self.idempotent && self.uncertain.is_none() && now < self.first_by {
+            Ok(self.first_by)
+        } else {
+            Ok(self.end)
         }
     }
 
@@ -517,7 +592,8 @@ impl<'a> Attempts<'a> {
                     return Err(self.give_up(Some(e.into())));
                 }
                 self.store.retries.fetch_add(1, Ordering::Relaxed);
-                backoff(self.made).await;
+                // The next `deadline` gives up if the backoff ran into the end.
+                let _ = timeout_at(self.end, backoff(self.made)).await;
                 Ok(())
             }
             Failure::Down { error, sent } => {
@@ -619,6 +695,7 @@ fn refused(error: tokio_postgres::Error) -> StoreError {
         Some(c) if *c == SqlState::DISK_FULL => StoreErrorKind::Full,
         Some(c)
             if *c == SqlState::QUERY_CANCELED
+                || *c == SqlState::LOCK_NOT_AVAILABLE
                 || *c == SqlState::TOO_MANY_CONNECTIONS
                 || *c == SqlState::T_R_SERIALIZATION_FAILURE
                 || *c == SqlState::T_R_DEADLOCK_DETECTED
@@ -632,6 +709,18 @@ fn refused(error: tokio_postgres::Error) -> StoreError {
     };
     StoreError::with_source(kind, error)
 }
+
+/// The source of an error when an operation used up its time.
+#[derive(Debug)]
+struct DeadlinePassed(Duration);
+
+impl fmt::Display for DeadlinePassed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "the postgres operation ran out of its {:?}", self.0)
+    }
+}
+
+impl StdError for DeadlinePassed {}
 
 /// Why stored columns could not be read back.
 #[derive(Debug)]
@@ -835,23 +924,53 @@ impl PostgresStore {
     /// Each operation borrows a connection for one statement and returns it at once.
     pub fn new(pool: Pool) -> Self {
         let table = Table::parse(DEFAULT_TABLE).expect("the default table name is valid");
-        Self::with_parts(pool, table, DEFAULT_TIMEOUT)
+        Self::with_parts(pool, None, table, DEFAULT_TIMEOUT)
     }
 
-    fn with_parts(pool: Pool, table: Table, timeout: Duration) -> Self {
+    fn with_parts(
+        pool: Pool,
+        config: Option<Arc<tokio_postgres::Config>>,
+        table: Table,
+        timeout: Duration,
+    ) -> Self {
         Self {
             sql: Arc::new(Sql::new(&table)),
             table: Arc::new(table),
             pool,
+            config,
             timeout,
             retries: Arc::new(AtomicU64::new(0)),
         }
+    }
+
+    /// The pool `connect` makes: 16 connections without TLS, each with the server-side
+    /// timeouts for `timeout` (see [`server_timeouts`]). Does no I/O.
+    fn owned_pool(config: &tokio_postgres::Config, timeout: Duration) -> Result<Pool, StoreError> {
+        let mut config = config.clone();
+        let options = timeout_options(config.get_options(), timeout);
+        config.options(options);
+        let manager = deadpool_postgres::Manager::from_config(
+            config,
+            tokio_postgres::NoTls,
+            deadpool_postgres::ManagerConfig {
+                recycling_method: deadpool_postgres::RecyclingMethod::Fast,
+            },
+        );
+        Pool::builder(manager)
+            .max_size(16)
+            .runtime(deadpool_postgres::Runtime::Tokio1)
+            .create_timeout(Some(DEFAULT_TIMEOUT))
+            .build()
+            .map_err(|e| StoreError::with_source(StoreErrorKind::Other, e))
     }
 
     /// Connects to `url` (a `postgres://` URL or a key-value string) without TLS, with a pool
     /// of 16 connections, and checks that one connection opens.
     ///
     /// The connections' `application_name` is `tower-idempotency` unless the URL sets one.
+    /// Their `statement_timeout` and `lock_timeout` sit just below the store's
+    /// [timeout](Self::with_timeout), so the server ends a blocked statement itself, and TCP
+    /// keepalives notice a dead peer within about a minute.
     /// For TLS or other pool settings, build a [`Pool`] and use [`PostgresStore::new`].
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
         // A malformed URL is `Other`, with the driver's parse error as source.
@@ -864,25 +983,24 @@ impl PostgresStore {
         if config.get_connect_timeout().is_none() {
             config.connect_timeout(DEFAULT_TIMEOUT);
         }
-        let manager = deadpool_postgres::Manager::from_config(
-            config,
-            tokio_postgres::NoTls,
-            deadpool_postgres::ManagerConfig {
-                recycling_method: deadpool_postgres::RecyclingMethod::Fast,
-            },
-        );
-        let pool = Pool::builder(manager)
-            .max_size(16)
-            .runtime(deadpool_postgres::Runtime::Tokio1)
-            .create_timeout(Some(DEFAULT_TIMEOUT))
-            .build()
-            .map_err(|e| StoreError::with_source(StoreErrorKind::Other, e))?;
+        config
+            .keepalives(true)
+            .keepalives_idle(KEEPALIVE_IDLE)
+            .keepalives_interval(KEEPALIVE_INTERVAL)
+            .keepalives_retries(KEEPALIVE_RETRIES);
+        let pool = Self::owned_pool(&config, DEFAULT_TIMEOUT)?;
         drop(
             pool.get()
                 .await
                 .map_err(|e| StoreError::with_source(StoreErrorKind::Unavailable, e))?,
         );
-        Ok(Self::new(pool))
+        let table = Table::parse(DEFAULT_TABLE).expect("the default table name is valid");
+        Ok(Self::with_parts(
+            pool,
+            Some(Arc::new(config)),
+            table,
+            DEFAULT_TIMEOUT,
+        ))
     }
 
     /// Uses the table `name`: `table` or `schema.table`, each a lowercase SQL identifier
@@ -891,16 +1009,40 @@ impl PostgresStore {
     /// Names are validated, not escaped: anything else is refused.
     pub fn with_table(self, name: &str) -> Result<Self, ConfigError> {
         let table = Table::parse(name)?;
-        Ok(Self::with_parts(self.pool, table, self.timeout))
+        Ok(Self::with_parts(
+            self.pool,
+            self.config,
+            table,
+            self.timeout,
+        ))
     }
 
-    /// Bounds each operation (pool checkout plus statement) to `timeout` (default 5 s).
+    /// Bounds each operation to `timeout` (default 5 s): pool checkout, statement, retries
+    /// and read-back together, one deadline per operation.
     ///
-    /// A statement that times out has an unknown outcome; the store reads it back on a fresh
-    /// connection before answering (see the [module docs](self)).
+    /// A statement still running when a write's first attempt runs out (at two thirds of
+    /// `timeout`) is cancelled on the server and has an unknown outcome; the store reads it
+    /// back on a fresh connection in the time left (see the [module docs](self)).
+    ///
+    /// On a store from [`connect`](Self::connect) this also sets the connections'
+    /// `statement_timeout` to half of `timeout` and `lock_timeout` to two fifths, so the
+    /// server ends a blocked statement first, as a known failure
+    /// ([`StoreErrorKind::Unavailable`]); the pool is rebuilt for that (no I/O). On your own
+    /// pool ([`new`](Self::new)), set them yourself the same way, e.g. with the connection
+    /// option `-c statement_timeout=2500 -c lock_timeout=2000` for the default 5 s.
     #[must_use]
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
+        if let Some(config) = &self.config {
+            match Self::owned_pool(config, timeout) {
+                Ok(pool) => self.pool = pool,
+                // Only a broken runtime setup fails here; the old pool still works.
+                Err(e) => tracing::warn!(
+                    error = &e as &dyn StdError,
+                    "could not rebuild the postgres pool with the new timeouts"
+                ),
+            }
+        }
         self
     }
 
@@ -1040,10 +1182,24 @@ impl PostgresStore {
     /// A fresh read of the live row: `(held by token, state)`, or `None` when absent. Run
     /// before answering `Fenced`: a write's own snapshot can predate a commit it then waited
     /// for (a first attempt whose reply was lost, committing late).
-    async fn held(&self, id: &RecordId, token: &Token) -> Result<Option<(bool, i16)>, StoreError> {
+    async fn held(
+        &self,
+        id: &RecordId,
+        token: &Token,
+        end: Instant,
+    ) -> Result<Option<(bool, i16)>, StoreError> {
         let (generation, nonce) = token_params(token);
         let params: [&(dyn ToSql + Sync); 3] = [&id.as_bytes().as_slice(), &generation, &nonce];
-        let rows = self.run(&self.sql.held, &params, true).await?;
+        // Within what is left of the calling operation's deadline.
+        let mut attempts = Attempts::new(self, true);
+        attempts.end = end;
+        let rows = loop {
+            let deadline = attempts.deadline()?;
+            match self.attempt(&self.sql.held, &params, deadline).await {
+                Ok(rows) => break rows,
+                Err(f) => attempts.after(f).await?,
+            }
+        };
         rows.first()
             .map(|row| Ok((column(row, "mine")?, column(row, "state")?)))
             .transpose()
@@ -1054,8 +1210,8 @@ impl PostgresStore {
         &self,
         sql: &str,
         params: &[&(dyn ToSql + Sync)],
+        deadline: Instant,
     ) -> Result<Vec<Row>, Failure> {
-        let deadline = Instant::now() + self.timeout;
         let client = match timeout_at(deadline, self.pool.get()).await {
             Ok(Ok(client)) => client,
             Ok(Err(e)) => {
@@ -1099,7 +1255,15 @@ impl PostgresStore {
                 Err(failure)
             }
             Err(e) => {
-                // The reply may still arrive on this connection: never reuse it.
+                // The statement may still be running, or waiting on a lock: cancel it on the
+                // server (on a connection of its own, in the background, so this operation
+                // keeps its deadline), and never reuse this connection.
+                let cancel = client.cancel_token();
+                tokio::spawn(async move {
+                    if let Err(e) = cancel.cancel_query(tokio_postgres::NoTls).await {
+                        tracing::debug!(error = %e, "could not cancel a timed-out statement");
+                    }
+                });
                 discard(client);
                 Err(Failure::Down {
                     error: e.into(),
@@ -1119,7 +1283,8 @@ impl PostgresStore {
     ) -> Result<Vec<Row>, StoreError> {
         let mut attempts = Attempts::new(self, idempotent);
         loop {
-            match self.attempt(sql, params).await {
+            let deadline = attempts.deadline()?;
+            match self.attempt(sql, params, deadline).await {
                 Ok(rows) => return Ok(rows),
                 Err(f) => attempts.after(f).await?,
             }
@@ -1148,7 +1313,8 @@ impl IdempotencyStore for PostgresStore {
         ];
         let mut attempts = Attempts::new(self, false);
         loop {
-            match self.attempt(&self.sql.claim, &params).await {
+            let deadline = attempts.deadline()?;
+            match self.attempt(&self.sql.claim, &params, deadline).await {
                 Ok(rows) => match decode_claim(&rows, fingerprint, &nonce)? {
                     Some(outcome) => return Ok(outcome),
                     None => attempts.again()?,
@@ -1187,7 +1353,8 @@ impl IdempotencyStore for PostgresStore {
         let params = owned.params();
         let mut attempts = Attempts::new(self, false);
         loop {
-            match self.attempt(&self.sql.complete, &params).await {
+            let deadline = attempts.deadline()?;
+            match self.attempt(&self.sql.complete, &params, deadline).await {
                 Ok(rows) => {
                     let row = rows
                         .first()
@@ -1199,7 +1366,7 @@ impl IdempotencyStore for PostgresStore {
                     if applied || done {
                         return Ok(());
                     }
-                    return match self.held(id, token).await? {
+                    return match self.held(id, token, attempts.end).await? {
                         Some((true, state)) if state != IN_PROGRESS => Ok(()),
                         _ => Err(StoreError::new(StoreErrorKind::Fenced)),
                     };
@@ -1214,7 +1381,8 @@ impl IdempotencyStore for PostgresStore {
         let params: [&(dyn ToSql + Sync); 3] = [&id.as_bytes().as_slice(), &generation, &nonce];
         let mut attempts = Attempts::new(self, false);
         loop {
-            match self.attempt(&self.sql.release, &params).await {
+            let deadline = attempts.deadline()?;
+            match self.attempt(&self.sql.release, &params, deadline).await {
                 Ok(rows) => {
                     let row = rows
                         .first()
@@ -1226,7 +1394,7 @@ impl IdempotencyStore for PostgresStore {
                     if applied || !present {
                         return Ok(());
                     }
-                    return match self.held(id, token).await? {
+                    return match self.held(id, token, attempts.end).await? {
                         None => Ok(()),
                         Some(_) => Err(StoreError::new(StoreErrorKind::Fenced)),
                     };
