@@ -1244,3 +1244,85 @@ async fn a_complete_that_lost_to_its_own_late_commit_is_ok() {
     drop(store);
     schema.drop_now().await;
 }
+
+/// Under REPEATABLE READ and SERIALIZABLE a renewal during the transaction makes
+/// `complete_in` fail (40001); `lock_in` as the first statement makes it work, with the
+/// renewal waiting for the commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn complete_in_under_repeatable_read_or_serializable_works_after_lock_in() {
+    use tokio_postgres_client::IsolationLevel;
+    let Some(url) = pg_support::url() else { return };
+    let schema = TestSchema::create(&url, "txiso").await;
+    let app = unique("txisoapp");
+    let store = store_in(&url, &schema, 3, &app).await;
+    let orders = orders_table(&url, &schema).await;
+    let insert = format!("INSERT INTO {orders} VALUES ('sku-1')");
+    for level in [IsolationLevel::RepeatableRead, IsolationLevel::Serializable] {
+        let id = unique_id("tx-iso");
+        let token = claimed(store.claim(&id, &fp(1), LEASE, TTL).await.unwrap());
+
+        // Without lock_in: the renewal lands after the snapshot, and complete_in fails.
+        let mut conn = store.pool().get().await.unwrap();
+        let tx = conn
+            .build_transaction()
+            .isolation_level(level)
+            .start()
+            .await
+            .unwrap();
+        tx.execute(&insert, &[]).await.unwrap();
+        store.extend(&id, &token, LEASE).await.unwrap();
+        let err = store
+            .complete_in(&tx, &id, &token, &response(201, "ordered"), TTL)
+            .await
+            .unwrap_err();
+        let code = std::error::Error::source(&err)
+            .and_then(|e| e.downcast_ref::<pg_support::PgError>())
+            .and_then(|e| e.code().cloned());
+        assert_eq!(
+            code,
+            Some(tokio_postgres_client::error::SqlState::T_R_SERIALIZATION_FAILURE),
+            "{level:?}: {err:?}"
+        );
+        tx.rollback().await.unwrap();
+
+        // With lock_in first: the renewal waits, complete_in commits.
+        let tx = conn
+            .build_transaction()
+            .isolation_level(level)
+            .start()
+            .await
+            .unwrap();
+        store.lock_in(&tx, &id, &token).await.unwrap();
+        let renewal = {
+            let store = store.clone();
+            tokio::spawn(async move { store.extend(&id, &token, LEASE).await })
+        };
+        assert!(
+            eventually(5, || async { running(&url, &app).await == 1 }).await,
+            "the renewal waits on the row lock"
+        );
+        tx.execute(&insert, &[]).await.unwrap();
+        store
+            .complete_in(&tx, &id, &token, &response(201, "ordered"), TTL)
+            .await
+            .unwrap_or_else(|e| panic!("{level:?}: {e:?}"));
+        tx.commit().await.unwrap();
+        // The renewal then finds the record completed.
+        assert!(renewal.await.unwrap().unwrap_err().is_fenced());
+        assert_eq!(
+            store.get(&id).await.unwrap().unwrap().state,
+            RecordState::Completed(response(201, "ordered"))
+        );
+        // A stale token cannot take the lock.
+        let tx = conn.transaction().await.unwrap();
+        let forged = Token::generate(token.generation()).unwrap();
+        assert!(store
+            .lock_in(&tx, &id, &forged)
+            .await
+            .unwrap_err()
+            .is_fenced());
+        tx.rollback().await.unwrap();
+    }
+    drop(store);
+    schema.drop_now().await;
+}

@@ -130,6 +130,13 @@
 //! not to complete or release after the handler did. The recorded [`Completion`] is what
 //! retries get, so it should match the response the handler returns.
 //!
+//! Under `REPEATABLE READ` or `SERIALIZABLE`, the layer's lease renewal updates the record
+//! while your transaction runs, and `complete_in` would then fail with a serialization failure
+//! (`40001`: the row changed after your snapshot). Call [`lock_in`](PostgresStore::lock_in)
+//! as the transaction's **first** statement: it takes the record's row lock with a snapshot
+//! that already has the latest renewal, and renewals wait for your commit. Under `READ
+//! COMMITTED` (Postgres's default) neither is needed.
+//!
 //! ```no_run
 //! use std::time::Duration;
 //! use bytes::Bytes;
@@ -367,6 +374,7 @@ struct Sql {
     extend: String,
     complete: String,
     release: String,
+    lock: String,
     held: String,
     get: String,
     sweep: String,
@@ -502,6 +510,8 @@ impl Sql {
                  SELECT EXISTS (SELECT FROM del) AS applied,
                         EXISTS (SELECT FROM {t} AS r WHERE r.id = $1 AND NOT {exp}) AS present"
             ),
+            // $1 id, $2 generation, $3 nonce.
+            lock: format!("SELECT 1 FROM {t} AS r WHERE {fenced} FOR UPDATE"),
             // $1 id, $2 generation, $3 nonce: a fresh look at the live row, if any, after a
             // write that changed nothing (its own snapshot may predate a late commit).
             held: format!(
@@ -1139,6 +1149,37 @@ impl PostgresStore {
         SweeperHandle { task: Some(task) }
     }
 
+    /// Takes the row lock of `token`'s record in your transaction, for
+    /// [`complete_in`](Self::complete_in) under `REPEATABLE READ` or `SERIALIZABLE`: call it
+    /// as the transaction's first statement. Until you commit or roll back, lease renewals and
+    /// takeovers of the record wait (a renewal that waits past its deadline fails, and the
+    /// next one is tried); keep the transaction shorter than the lease.
+    ///
+    /// Fenced like [`complete`](IdempotencyStore::complete): a stale token is
+    /// [`StoreErrorKind::Fenced`]. Not needed under `READ COMMITTED`.
+    pub async fn lock_in<C>(
+        &self,
+        client: &C,
+        id: &RecordId,
+        token: &Token,
+    ) -> Result<(), StoreError>
+    where
+        C: GenericClient,
+    {
+        let (generation, nonce) = token_params(token);
+        let params: [&(dyn ToSql + Sync); 3] = [&id.as_bytes().as_slice(), &generation, &nonce];
+        let statement = client
+            .prepare_cached(&self.sql.lock)
+            .await
+            .map_err(refused)?;
+        let rows = client.query(&statement, &params).await.map_err(refused)?;
+        if rows.is_empty() {
+            Err(StoreError::new(StoreErrorKind::Fenced))
+        } else {
+            Ok(())
+        }
+    }
+
     /// Completes `token`'s claim through `client`, typically inside your own transaction, so
     /// the recorded answer commits with your writes or not at all.
     ///
@@ -1150,7 +1191,9 @@ impl PostgresStore {
     /// The statement row-locks the record until you commit, so a takeover (and the layer's
     /// lease renewal) waits for your outcome: call it last, just before `COMMIT`. After a
     /// commit, `extend` and `release` with this token are fenced, and `complete` answers `Ok`
-    /// (the answer is recorded already).
+    /// (the answer is recorded already). Under `REPEATABLE READ` or `SERIALIZABLE`, call
+    /// [`lock_in`](Self::lock_in) first, or a renewal during the transaction makes this fail
+    /// with a serialization failure.
     pub async fn complete_in<C>(
         &self,
         client: &C,
