@@ -15,7 +15,7 @@ use std::time::Duration;
 use conformance::{fp, response, unique_id, DynStore};
 use pg_support::{admin, eventually, mode, pool, pool_from, store_in, unique, Proxy, TestSchema};
 use tokio::sync::{Barrier, Notify};
-use tower_idempotency::store::postgres::PostgresStore;
+use tower_idempotency::store::postgres::{PostgresStore, SetupError};
 use tower_idempotency::store::{ClaimOutcome, IdempotencyStore, StoreError, StoreErrorKind};
 use tower_idempotency::{RecordState, Token};
 
@@ -767,8 +767,6 @@ async fn unreachable_database_is_unavailable() {
             .await
             .unwrap_err(),
         store.get(&unique_id("dead")).await.unwrap_err(),
-        store.migrate().await.unwrap_err(),
-        PostgresStore::connect(&url).await.unwrap_err(),
     ] {
         assert_eq!(err.kind(), StoreErrorKind::Unavailable, "{err:?}");
         assert!(
@@ -776,10 +774,85 @@ async fn unreachable_database_is_unavailable() {
             "the driver error is kept"
         );
     }
+    // Setup errors say what went wrong in their text.
+    for err in [
+        PostgresStore::connect(&url).await.unwrap_err(),
+        store.migrate().await.unwrap_err(),
+        store.verify().await.unwrap_err(),
+    ] {
+        assert!(matches!(err, SetupError::Connect(_)), "{err:?}");
+        let text = err.to_string();
+        assert!(
+            text.starts_with("could not connect to Postgres") && text.contains("refused"),
+            "{text}"
+        );
+    }
     let err = PostgresStore::connect("postgres://[nope")
         .await
         .unwrap_err();
-    assert_eq!(err.kind(), StoreErrorKind::Other, "{err:?}");
+    assert!(matches!(err, SetupError::Url(_)), "{err:?}");
+    assert!(
+        err.to_string().starts_with("invalid Postgres URL: "),
+        "{err}"
+    );
+}
+
+/// `verify` names a missing table and what to do, and passes once `migrate` ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_names_a_missing_table() {
+    let Some(url) = pg_support::url() else { return };
+    let schema = TestSchema::create(&url, "verify").await;
+    let store = PostgresStore::new(pool(&url, 1, "tidem-verify"))
+        .with_table(&schema.table())
+        .unwrap();
+    let err = store.verify().await.unwrap_err();
+    assert!(matches!(err, SetupError::MissingTable { .. }), "{err:?}");
+    // migrate into a schema that does not exist says so.
+    let migrate_err = PostgresStore::new(pool(&url, 1, "tidem-verify"))
+        .with_table(&format!("{}_absent.records", schema.name))
+        .unwrap()
+        .migrate()
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(migrate_err, SetupError::Migrate { .. }),
+        "{migrate_err:?}"
+    );
+    assert!(
+        migrate_err.to_string().contains("does not exist"),
+        "{migrate_err}"
+    );
+    let text = err.to_string();
+    assert!(
+        text.contains(&schema.table()) && text.contains("migrate()"),
+        "{text}"
+    );
+    // A schema that does not exist is a missing table too.
+    let elsewhere = PostgresStore::new(pool(&url, 1, "tidem-verify"))
+        .with_table(&format!("{}_absent.records", schema.name))
+        .unwrap();
+    assert!(matches!(
+        elsewhere.verify().await.unwrap_err(),
+        SetupError::MissingTable { .. }
+    ));
+    // A table of that name without the store's columns.
+    admin(&url)
+        .await
+        .batch_execute(&format!("CREATE TABLE {} (id bytea)", schema.table()))
+        .await
+        .unwrap();
+    let err = store.verify().await.unwrap_err();
+    assert!(matches!(err, SetupError::Table { .. }), "{err:?}");
+    assert!(err.to_string().contains("does not exist"), "{err}");
+    admin(&url)
+        .await
+        .batch_execute(&format!("DROP TABLE {}", schema.table()))
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+    store.verify().await.unwrap();
+    drop((store, elsewhere));
+    schema.drop_now().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

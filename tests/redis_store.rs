@@ -735,3 +735,40 @@ async fn wait_never_holds_up_other_calls() {
     );
     assert!(waiting.get(&id).await.unwrap().is_none());
 }
+
+/// Setup errors name the cause in their text, and nothing listening fails within the timeout.
+#[tokio::test]
+async fn setup_errors_say_why_and_come_within_the_timeout() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    drop(listener);
+    let timeout = Duration::from_millis(500);
+    let started = Instant::now();
+    let err = RedisStore::builder()
+        .with_timeout(timeout)
+        .connect(&format!("redis://127.0.0.1:{port}/"))
+        .await
+        .unwrap_err();
+    let took = started.elapsed();
+    let text = err.to_string();
+    assert!(matches!(err, SetupError::Redis(_)), "{err:?}");
+    assert!(text.contains("refused"), "{text}");
+    assert!(took < timeout * 2, "connect failed after {took:?}");
+
+    let started = Instant::now();
+    let err = RedisStore::builder()
+        .with_timeout(timeout)
+        .connect_cluster([format!("redis://127.0.0.1:{port}/")])
+        .await
+        .unwrap_err();
+    let took = started.elapsed();
+    assert!(err.to_string().contains("refused"), "{err}");
+    assert!(took < timeout * 2, "connect_cluster failed after {took:?}");
+
+    let err = RedisStore::connect("rediss-nope://x").await.unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.starts_with("could not set up the Redis idempotency store: ") && text.len() > 50,
+        "{text}"
+    );
+}

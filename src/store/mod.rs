@@ -316,6 +316,23 @@ impl<T: IdempotencyStore + ?Sized> IdempotencyStore for Arc<T> {
     }
 }
 
+/// `error` and each of its sources, joined by `: `, skipping a message a cause repeats: the
+/// text of a setup error, which names the real cause.
+#[cfg(any(feature = "redis", feature = "postgres"))]
+pub(crate) fn error_chain(error: &(dyn StdError + 'static)) -> String {
+    let mut out = error.to_string();
+    let mut next = error.source();
+    while let Some(e) = next {
+        let msg = e.to_string();
+        if !out.contains(&msg) {
+            out.push_str(": ");
+            out.push_str(&msg);
+        }
+        next = e.source();
+    }
+    out
+}
+
 /// The URL of a backend for the unit tests that need one, or `None` (skipped, said so) when
 /// `var` is unset, unless `IDEMPOTENCY_REQUIRE_BACKENDS=1`.
 #[cfg(all(test, any(feature = "redis", feature = "postgres")))]

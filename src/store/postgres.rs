@@ -2,8 +2,9 @@
 //!
 //! Built on [`tokio_postgres`] and a [`deadpool_postgres`] pool; both crates are re-exported
 //! so that your versions match ours. Create the table once with
-//! [`migrate`](PostgresStore::migrate) (safe to run from every replica at start-up), then hand
-//! the store to the layer.
+//! [`migrate`](PostgresStore::migrate) (safe to run from every replica at start-up), or, when
+//! the table is managed elsewhere, check it with [`verify`](PostgresStore::verify); then hand
+//! the store to the layer. Setup fails with a [`SetupError`] whose text names the cause.
 //!
 //! ```no_run
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
@@ -205,7 +206,9 @@ pub use tokio_postgres;
 
 use deadpool_postgres::{GenericClient, Object, Pool};
 
-use super::{Claim, ClaimOutcome, IdempotencyStore, StoreError, StoreErrorKind};
+use super::{
+    error_chain as chain, Claim, ClaimOutcome, IdempotencyStore, StoreError, StoreErrorKind,
+};
 use crate::error::ConfigError;
 use crate::record::{
     get_headers, put_headers, Completion, Fingerprint, Record, RecordId, RecordState,
@@ -313,6 +316,67 @@ impl fmt::Debug for PostgresStore {
             .finish_non_exhaustive()
     }
 }
+
+/// Why a [`PostgresStore`] could not be set up: from [`connect`](PostgresStore::connect),
+/// [`migrate`](PostgresStore::migrate) and [`verify`](PostgresStore::verify).
+///
+/// The text names the cause and what to do; the driver error it came from is kept in the
+/// variant (and is part of the text, so it is not repeated as a [`source`](StdError::source)).
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum SetupError {
+    /// The URL or connection string did not parse.
+    Url(tokio_postgres::Error),
+    /// No connection could be opened: nothing listening, refused login, unknown database.
+    Connect(deadpool_postgres::PoolError),
+    /// The table does not exist (or its schema does not): run
+    /// [`migrate`](PostgresStore::migrate).
+    MissingTable {
+        /// The table, as given to [`with_table`](PostgresStore::with_table).
+        table: String,
+    },
+    /// [`migrate`](PostgresStore::migrate) could not create the table: its schema does not
+    /// exist, or the role may not create it.
+    Migrate {
+        /// The table, as given to [`with_table`](PostgresStore::with_table).
+        table: String,
+        /// What the server (or the connection) said.
+        error: tokio_postgres::Error,
+    },
+    /// The table exists but the store cannot use it: a missing column, no privilege.
+    Table {
+        /// The table, as given to [`with_table`](PostgresStore::with_table).
+        table: String,
+        /// What the server said.
+        error: tokio_postgres::Error,
+    },
+}
+
+impl fmt::Display for SetupError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SetupError::Url(e) => write!(f, "invalid Postgres URL: {}", chain(e)),
+            SetupError::Connect(e) => write!(f, "could not connect to Postgres: {}", chain(e)),
+            SetupError::MissingTable { table } => write!(
+                f,
+                "the idempotency table {table} does not exist; create it with \
+                 PostgresStore::migrate() (or the SQL in the store's docs)"
+            ),
+            SetupError::Migrate { table, error } => write!(
+                f,
+                "could not create the idempotency table {table}: {}",
+                chain(error)
+            ),
+            SetupError::Table { table, error } => write!(
+                f,
+                "the idempotency table {table} cannot be used: {}",
+                chain(error)
+            ),
+        }
+    }
+}
+
+impl StdError for SetupError {}
 
 /// The validated table: quoted for SQL, and the key of its migration lock.
 #[derive(Debug)]
@@ -982,11 +1046,8 @@ impl PostgresStore {
     /// [timeout](Self::with_timeout), so the server ends a blocked statement itself, and TCP
     /// keepalives notice a dead peer within about a minute.
     /// For TLS or other pool settings, build a [`Pool`] and use [`PostgresStore::new`].
-    pub async fn connect(url: &str) -> Result<Self, StoreError> {
-        // A malformed URL is `Other`, with the driver's parse error as source.
-        let mut config: tokio_postgres::Config = url
-            .parse()
-            .map_err(|e| StoreError::with_source(StoreErrorKind::Other, e))?;
+    pub async fn connect(url: &str) -> Result<Self, SetupError> {
+        let mut config: tokio_postgres::Config = url.parse().map_err(SetupError::Url)?;
         if config.get_application_name().is_none() {
             config.application_name("tower-idempotency");
         }
@@ -998,12 +1059,10 @@ impl PostgresStore {
             .keepalives_idle(KEEPALIVE_IDLE)
             .keepalives_interval(KEEPALIVE_INTERVAL)
             .keepalives_retries(KEEPALIVE_RETRIES);
-        let pool = Self::owned_pool(&config, DEFAULT_TIMEOUT)?;
-        drop(
-            pool.get()
-                .await
-                .map_err(|e| StoreError::with_source(StoreErrorKind::Unavailable, e))?,
-        );
+        // Building a pool only fails for a broken runtime setup, which a test would catch.
+        let pool = Self::owned_pool(&config, DEFAULT_TIMEOUT)
+            .expect("a deadpool pool with the tokio runtime builds");
+        drop(pool.get().await.map_err(SetupError::Connect)?);
         let table = Table::parse(DEFAULT_TABLE).expect("the default table name is valid");
         Ok(Self::with_parts(
             pool,
@@ -1077,14 +1136,11 @@ impl PostgresStore {
     /// Idempotent, and safe when many processes run it at once: it takes a transaction-level
     /// advisory lock first, and still treats a lost creation race (SQLSTATE `42P07`, `42710`,
     /// or `23505` on the catalog) as done and checks again. The schema must exist.
-    pub async fn migrate(&self) -> Result<(), StoreError> {
+    pub async fn migrate(&self) -> Result<(), SetupError> {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let client = timeout_at(Instant::now() + self.timeout, self.pool.get())
-                .await
-                .map_err(|e| StoreError::with_source(StoreErrorKind::Unavailable, e))?
-                .map_err(|e| StoreError::with_source(StoreErrorKind::Unavailable, e))?;
+            let client = self.setup_client().await?;
             // One simple-query message: the statements run in one implicit transaction.
             let Err(e) = client.batch_execute(&self.sql.migrate).await else {
                 return Ok(());
@@ -1099,11 +1155,51 @@ impl PostgresStore {
             if !race || attempt >= MAX_ATTEMPTS {
                 if e.code().is_none() {
                     discard(client);
-                    return Err(StoreError::with_source(StoreErrorKind::Unavailable, e));
                 }
-                return Err(refused(e));
+                return Err(SetupError::Migrate {
+                    table: self.table.name.clone(),
+                    error: e,
+                });
             }
             backoff(attempt).await;
+        }
+    }
+
+    /// A pooled connection for setup, within the timeout.
+    async fn setup_client(&self) -> Result<Object, SetupError> {
+        timeout_at(Instant::now() + self.timeout, self.pool.get())
+            .await
+            .unwrap_or(Err(deadpool_postgres::PoolError::Timeout(
+                deadpool_postgres::TimeoutType::Wait,
+            )))
+            .map_err(SetupError::Connect)
+    }
+
+    /// Checks, in one statement, that the table exists with every column the store uses and
+    /// that this role may read it: call it at start-up (after [`migrate`](Self::migrate), or
+    /// instead of it when the table is managed elsewhere), so a missing table is a clear
+    /// [`SetupError::MissingTable`] rather than a `503` on every request.
+    pub async fn verify(&self) -> Result<(), SetupError> {
+        let client = self.setup_client().await?;
+        let sql = format!(
+            "SELECT id, fingerprint, state, generation, nonce, locked_until, status, headers, \
+             body, trailers, created_at, expires_at FROM {} LIMIT 0",
+            self.table.quoted
+        );
+        match client.query(&sql, &[]).await {
+            Ok(_) => Ok(()),
+            Err(e)
+                if e.code() == Some(&SqlState::UNDEFINED_TABLE)
+                    || e.code() == Some(&SqlState::INVALID_SCHEMA_NAME) =>
+            {
+                Err(SetupError::MissingTable {
+                    table: self.table.name.clone(),
+                })
+            }
+            Err(e) => Err(SetupError::Table {
+                table: self.table.name.clone(),
+                error: e,
+            }),
         }
     }
 

@@ -392,7 +392,7 @@ impl RedisConnection {
     }
 }
 
-/// Why a [`RedisStore`] could not be built.
+/// Why a [`RedisStore`] could not be built. The text names the cause and what to do.
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum SetupError {
@@ -422,7 +422,11 @@ impl fmt::Display for SetupError {
                 .unwrap_or_default()
         };
         match self {
-            SetupError::Redis(_) => f.write_str("could not set up the Redis idempotency store"),
+            SetupError::Redis(e) => write!(
+                f,
+                "could not set up the Redis idempotency store: {}",
+                super::error_chain(e)
+            ),
             SetupError::EvictionPolicy { node, policy } => write!(
                 f,
                 "Redis{} runs maxmemory-policy {policy}, which can evict idempotency records \
@@ -447,14 +451,8 @@ impl fmt::Display for SetupError {
     }
 }
 
-impl StdError for SetupError {
-    fn source(&self) -> Option<&(dyn StdError + 'static)> {
-        match self {
-            SetupError::Redis(e) => Some(e),
-            _ => None,
-        }
-    }
-}
+// The Redis error is part of the text (it names the cause), so it is not a `source` too.
+impl StdError for SetupError {}
 
 impl From<RedisError> for SetupError {
     fn from(e: RedisError) -> Self {
@@ -546,7 +544,8 @@ impl RedisStoreBuilder {
 
     /// How long one Redis call may take before its outcome counts as unknown and is read back
     /// (default 1 s). [`connect`](Self::connect) also sets it as the connection's response
-    /// timeout (plus the `WAIT` timeout when set).
+    /// timeout (plus the `WAIT` timeout when set), and as the connect timeout: with nothing
+    /// listening at the URL, `connect` fails within it, naming the cause.
     #[must_use]
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
@@ -557,12 +556,32 @@ impl RedisStoreBuilder {
     /// checks its eviction policy and loads the scripts.
     pub async fn connect(self, url: &str) -> Result<RedisStore, SetupError> {
         let client = redis::Client::open(url)?;
+        // One plain attempt first, bounded by the timeout: its error is the real cause (the
+        // connection manager would retry with backoff for seconds, then report less).
+        let probe = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(self.timeout))
+            .set_response_timeout(Some(self.timeout));
+        drop(
+            client
+                .get_multiplexed_async_connection_with_config(&probe)
+                .await?,
+        );
         let config = ConnectionManagerConfig::new()
             .set_response_timeout(Some(self.response_timeout()))
             .set_connection_timeout(Some(self.timeout))
             // Reconnect attempts back off to at most 1 s, so a restarted Redis is found soon.
             .set_max_delay(Duration::from_secs(1));
-        let conn = ConnectionManager::new_with_config(client.clone(), config).await?;
+        let conn = tokio::time::timeout(
+            self.timeout,
+            ConnectionManager::new_with_config(client.clone(), config),
+        )
+        .await
+        .map_err(|_| {
+            RedisError::from(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("no connection within {:?}", self.timeout),
+            ))
+        })??;
         self.build_with(conn.into(), Some(Source::Single(client)))
             .await
     }
