@@ -97,7 +97,7 @@ mod tests {
             scope.map(Into::into),
             RecordId::new(scope, key),
             Fingerprint::from_bytes([0; 32]),
-            Token::new(generation),
+            Token::from_parts(generation, [7; 16]),
         )
     }
 

@@ -19,7 +19,7 @@
 //! 2. A claim of an in-progress record whose lease has lapsed, with the same fingerprint,
 //!    takes over with a strictly greater generation; the old token is fenced from then on.
 //! 3. `complete`, `extend` and `release` with a stale token change nothing and fail with
-//!    [`StoreErrorKind::Fenced`].
+//!    [`StoreErrorKind::Fenced`] (a `release` of an absent record excepted, see 9).
 //! 4. A completed record replays byte-exactly: status, headers, body, trailers.
 //! 5. Past its TTL a record is absent; before it, a completed record is never lost except by
 //!    an explicit delete. A full store refuses new claims ([`StoreErrorKind::Full`]) and never
@@ -29,6 +29,11 @@
 //! 7. A call whose outcome is unknown (a timeout, a lost reply) is resolved by reading back
 //!    before answering; a store never reports `Claimed` without knowing it holds the claim.
 //! 8. Different record ids never see each other (scopes are part of the id).
+//! 9. `complete` and `release` are idempotent per token, because a call whose reply was lost
+//!    gets sent again: `complete` of a record this token already completed answers `Ok` and
+//!    writes nothing; `release` of an absent record answers `Ok` (the key is free, which is all
+//!    a release asks for: the record was released by this token's earlier attempt, or expired).
+//!    `complete` of an absent record is `Fenced`: nothing says the answer was recorded.
 //!
 //! # Implementing a custom store
 //!
@@ -56,7 +61,8 @@
 //!         if let Some((_, record)) = map.get(id) {
 //!             return Ok(ClaimOutcome::Existing(record.clone()));
 //!         }
-//!         let token = Token::new(1);
+//!         // A failed OS random source fails the claim; never use a fixed nonce.
+//!         let token = Token::generate(1)?;
 //!         let record = Record {
 //!             fingerprint: *fp,
 //!             generation: 1,
@@ -77,6 +83,7 @@
 //!         -> Result<(), StoreError>
 //!     {
 //!         match self.0.lock().unwrap().get_mut(id) {
+//!             // Completing again with the same token (a resend) is fine: same answer.
 //!             Some((held, record)) if held == token => {
 //!                 record.state = RecordState::Completed(done.clone());
 //!                 Ok(())
@@ -92,6 +99,8 @@
 //!                 map.remove(id);
 //!                 Ok(())
 //!             }
+//!             // Gone: released by an earlier attempt of this call; the key is free.
+//!             None => Ok(()),
 //!             _ => Err(StoreError::new(StoreErrorKind::Fenced)),
 //!         }
 //!     }
@@ -305,4 +314,70 @@ impl<T: IdempotencyStore + ?Sized> IdempotencyStore for Arc<T> {
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         (**self).get(id).await
     }
+}
+
+/// `error` and each of its sources, joined by `: `, skipping a message a cause repeats: the
+/// text of a setup error, which names the real cause.
+#[cfg(any(feature = "redis", feature = "postgres"))]
+pub(crate) fn error_chain(error: &(dyn StdError + 'static)) -> String {
+    let mut out = error.to_string();
+    let mut next = error.source();
+    while let Some(e) = next {
+        let msg = e.to_string();
+        if !out.contains(&msg) {
+            out.push_str(": ");
+            out.push_str(&msg);
+        }
+        next = e.source();
+    }
+    out
+}
+
+/// The URL of a backend for the unit tests that need one, or `None` (skipped, said so) when
+/// `var` is unset, unless `IDEMPOTENCY_REQUIRE_BACKENDS=1`.
+#[cfg(all(test, any(feature = "redis", feature = "postgres")))]
+pub(crate) fn test_backend_url(var: &str) -> Option<String> {
+    match std::env::var(var) {
+        Ok(url) if !url.is_empty() => Some(url),
+        _ => {
+            assert!(
+                std::env::var("IDEMPOTENCY_REQUIRE_BACKENDS").as_deref() != Ok("1"),
+                "{var} is unset but IDEMPOTENCY_REQUIRE_BACKENDS=1: the backend is required"
+            );
+            eprintln!("SKIPPED: {var} is unset, so this backend test did not run");
+            None
+        }
+    }
+}
+
+/// Claims `id` twice with equal nonces (the hook makes every nonce `[0; 16]`, as a broken
+/// random source once did) and different fingerprints: the second must not be `Claimed`.
+#[cfg(all(test, any(feature = "redis", feature = "postgres")))]
+pub(crate) async fn equal_nonces_with_different_fingerprints_claim_once(
+    store: &dyn IdempotencyStore,
+) {
+    use crate::record::FIXED_NONCE;
+    let id = RecordId::new(
+        Some("equal-nonces"),
+        &format!("{:?}", std::time::SystemTime::now()),
+    );
+    let (a, b) = (
+        Fingerprint::from_bytes([1; 32]),
+        Fingerprint::from_bytes([2; 32]),
+    );
+    let lease = Duration::from_secs(30);
+    FIXED_NONCE.with(|n| n.set(Some([0; 16])));
+    let first = store.claim(&id, &a, lease, lease).await;
+    let second = store.claim(&id, &b, lease, lease).await;
+    let resent = store.claim(&id, &a, lease, lease).await;
+    FIXED_NONCE.with(|n| n.set(None));
+    assert!(matches!(first.unwrap(), ClaimOutcome::Claimed(_)));
+    match second.unwrap() {
+        ClaimOutcome::Existing(r) => assert_eq!(r.fingerprint, a),
+        other @ ClaimOutcome::Claimed(_) => {
+            panic!("another request with an equal nonce claimed too: {other:?}")
+        }
+    }
+    // The same request with its own nonce is still recognised (the read-back path).
+    assert!(matches!(resent.unwrap(), ClaimOutcome::Claimed(_)));
 }

@@ -9,15 +9,17 @@
 //! sleep to order two tasks: concurrency is ordered by a barrier.
 #![allow(dead_code, unreachable_pub, clippy::match_wildcard_for_single_variants)]
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
-use tokio::sync::Barrier;
-use tower_idempotency::store::{ClaimOutcome, IdempotencyStore, StoreErrorKind};
-use tower_idempotency::{Completion, Fingerprint, RecordId, RecordState, StoredResponse, Token};
+use tokio::sync::{Barrier, Notify};
+use tower_idempotency::store::{ClaimOutcome, IdempotencyStore, StoreError, StoreErrorKind};
+use tower_idempotency::{
+    Completion, Fingerprint, Record, RecordId, RecordState, StoredResponse, Token,
+};
 
 pub type DynStore = Arc<dyn IdempotencyStore>;
 
@@ -235,7 +237,7 @@ pub async fn stale_tokens_change_nothing(store: DynStore) {
     let id = unique_id("stale");
     let token = claim_token(&store, &id, fp(7), LEASE).await;
     // Same generation, another nonce: a forged or foreign token.
-    let forged = Token::new(token.generation());
+    let forged = Token::generate(token.generation()).unwrap();
     let before = store.get(&id).await.unwrap().unwrap();
     assert_fenced(
         store.complete(&id, &forged, &response(200, "x"), TTL).await,
@@ -268,12 +270,11 @@ pub async fn stale_tokens_change_nothing(store: DynStore) {
         store.extend(&id, &again, LEASE).await,
         "extend after complete",
     );
-    assert_fenced(
-        store
-            .complete(&id, &again, &response(500, "twice"), TTL)
-            .await,
-        "complete twice",
-    );
+    // Completing again with the same token is a resend: `Ok`, and the first answer stands.
+    store
+        .complete(&id, &again, &response(500, "twice"), TTL)
+        .await
+        .expect("complete resent with its own token");
     assert_eq!(
         store.get(&id).await.unwrap().unwrap().state,
         RecordState::Completed(response(200, "fresh"))
@@ -287,7 +288,11 @@ pub async fn stale_tokens_change_nothing(store: DynStore) {
             .await,
         "complete absent",
     );
-    assert_fenced(store.release(&absent, &forged).await, "release absent");
+    // Releasing an absent record frees nothing, but the key is free: `Ok`.
+    store
+        .release(&absent, &forged)
+        .await
+        .expect("release of an absent record");
     assert!(store.get(&absent).await.unwrap().is_none());
 }
 
@@ -393,6 +398,332 @@ pub async fn scopes_are_isolated(store: DynStore) {
     assert!(store.get(&none).await.unwrap().is_none());
 }
 
+/// A completed record is there for (most of) its TTL, not a thousandth of it, and gone after.
+/// An in-progress record lives max(lease, TTL): the longer of the two, either way round.
+pub async fn records_live_for_their_ttl_and_no_longer(store: DynStore) {
+    let done = unique_id("ttl-4s");
+    let t = claim_token(&store, &done, fp(20), LEASE).await;
+    store
+        .complete(&done, &t, &response(200, "kept"), Duration::from_secs(4))
+        .await
+        .unwrap();
+    // Lease 1 s, TTL 3 s: kept 3 s, though the lease lapsed at 1 s.
+    let ttl_longer = unique_id("ttl-longer");
+    store
+        .claim(
+            &ttl_longer,
+            &fp(21),
+            Duration::from_secs(1),
+            Duration::from_secs(3),
+        )
+        .await
+        .unwrap();
+    // Lease 3 s, TTL 1 s: kept while the lease lives.
+    let lease_longer = unique_id("lease-longer");
+    store
+        .claim(
+            &lease_longer,
+            &fp(22),
+            Duration::from_secs(3),
+            Duration::from_secs(1),
+        )
+        .await
+        .unwrap();
+
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    for (id, what) in [(&ttl_longer, "TTL 3 s"), (&lease_longer, "lease 3 s")] {
+        let rec = store.get(id).await.unwrap();
+        assert!(
+            matches!(rec, Some(ref r) if matches!(r.state, RecordState::InProgress { .. })),
+            "in progress with {what}, at 2 s: {rec:?}"
+        );
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        store.get(&done).await.unwrap().map(|r| r.state),
+        Some(RecordState::Completed(response(200, "kept"))),
+        "completed with TTL 4 s, at 3 s"
+    );
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert!(
+        store.get(&ttl_longer).await.unwrap().is_none(),
+        "TTL 3 s, at 3.6 s"
+    );
+    assert!(
+        store.get(&lease_longer).await.unwrap().is_none(),
+        "lease 3 s, at 3.6 s"
+    );
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    assert!(
+        store.get(&done).await.unwrap().is_none(),
+        "TTL 4 s, at 4.5 s"
+    );
+}
+
+/// Retention counts from the completion, not from the claim.
+pub async fn ttl_counts_from_completion(store: DynStore) {
+    let id = unique_id("ttl-from-completion");
+    let ttl = Duration::from_secs(2);
+    let t = match store.claim(&id, &fp(23), LEASE, ttl).await.unwrap() {
+        ClaimOutcome::Claimed(c) => c.token,
+        other => panic!("expected Claimed, got {other:?}"),
+    };
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    store
+        .complete(&id, &t, &response(201, "late"), ttl)
+        .await
+        .unwrap();
+    // 2.5 s after the claim, 1 s after the completion.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(
+        store.get(&id).await.unwrap().is_some(),
+        "a completion 1 s ago with TTL 2 s must still be there"
+    );
+    // 1.5 s more: 2.5 s after the completion.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(store.get(&id).await.unwrap().is_none(), "past the TTL");
+}
+
+/// Runs `n` claims of `id` at once, released by a barrier.
+async fn race_claims(
+    store: &DynStore,
+    id: RecordId,
+    f: Fingerprint,
+    n: usize,
+) -> Vec<ClaimOutcome> {
+    let barrier = Arc::new(Barrier::new(n));
+    let tasks: Vec<_> = (0..n)
+        .map(|_| {
+            let (store, barrier) = (store.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                store.claim(&id, &f, LEASE, TTL).await
+            })
+        })
+        .collect();
+    let mut out = Vec::with_capacity(n);
+    for t in tasks {
+        out.push(t.await.unwrap().expect("claim"));
+    }
+    out
+}
+
+/// Many claims of a lapsed lease: exactly one takes over. Many claims of an expired record:
+/// exactly one wins, as a new record.
+pub async fn concurrent_claims_of_a_lapsed_or_expired_record_yield_exactly_one(store: DynStore) {
+    const N: usize = 32;
+    let lapsed = unique_id("lapsed-race");
+    let short = Duration::from_millis(300);
+    store.claim(&lapsed, &fp(24), short, TTL).await.unwrap();
+    let expired = unique_id("expired-race");
+    let t = match store.claim(&expired, &fp(25), short, short).await.unwrap() {
+        ClaimOutcome::Claimed(c) => c.token,
+        other => panic!("expected Claimed, got {other:?}"),
+    };
+    store
+        .complete(&expired, &t, &response(200, "old"), short)
+        .await
+        .unwrap();
+    tokio::time::sleep(short + Duration::from_millis(300)).await;
+
+    let outcomes = race_claims(&store, lapsed, fp(24), N).await;
+    let won: Vec<_> = outcomes
+        .iter()
+        .filter_map(|o| match o {
+            ClaimOutcome::Claimed(c) => Some(*c),
+            ClaimOutcome::Existing(_) => None,
+        })
+        .collect();
+    assert_eq!(won.len(), 1, "exactly one takeover: {outcomes:?}");
+    assert!(won[0].takeover);
+    assert_eq!(won[0].token.generation(), 2);
+    assert_eq!(store.get(&lapsed).await.unwrap().unwrap().generation, 2);
+
+    let outcomes = race_claims(&store, expired, fp(26), N).await;
+    let won: Vec<_> = outcomes
+        .iter()
+        .filter_map(|o| match o {
+            ClaimOutcome::Claimed(c) => Some(*c),
+            ClaimOutcome::Existing(_) => None,
+        })
+        .collect();
+    assert_eq!(won.len(), 1, "exactly one new claim: {outcomes:?}");
+    assert!(!won[0].takeover);
+    assert_eq!(won[0].token.generation(), 1);
+    for o in &outcomes {
+        if let ClaimOutcome::Existing(r) = o {
+            assert_eq!(r.fingerprint, fp(26), "the old record is gone");
+            assert!(matches!(r.state, RecordState::InProgress { .. }));
+        }
+    }
+}
+
+/// An `extend` with a forged token (right generation, wrong nonce) leaves the lease alone.
+pub async fn forged_extend_leaves_the_lease_unchanged(store: DynStore) {
+    let id = unique_id("forged-extend");
+    let lease = Duration::from_millis(600);
+    let token = claim_token(&store, &id, fp(27), lease).await;
+    let forged = Token::generate(token.generation()).unwrap();
+    assert_fenced(store.extend(&id, &forged, LEASE).await, "forged extend");
+    match store.get(&id).await.unwrap().unwrap().state {
+        RecordState::InProgress { lease_remaining } => {
+            assert!(
+                lease_remaining <= lease,
+                "lease grew to {lease_remaining:?}"
+            )
+        }
+        other => panic!("expected in progress, got {other:?}"),
+    }
+    tokio::time::sleep(lease + Duration::from_millis(300)).await;
+    match store.claim(&id, &fp(27), LEASE, TTL).await.unwrap() {
+        ClaimOutcome::Claimed(c) => assert!(c.takeover, "the original lease lapsed"),
+        other => panic!("the forged extend kept the lease alive: {other:?}"),
+    }
+}
+
+/// A store whose replies can be lost: the real call runs to its end, then the caller hears
+/// nothing, as when a reply times out. `landed` tells when the call has run.
+pub struct LoseReplies<S> {
+    inner: S,
+    lose: AtomicBool,
+    landed: Notify,
+}
+
+impl<S> LoseReplies<S> {
+    pub fn new(inner: S) -> Self {
+        Self {
+            inner,
+            lose: AtomicBool::new(false),
+            landed: Notify::new(),
+        }
+    }
+
+    /// Loses the reply of the next call made through `self`, and only that one.
+    pub fn lose_next(&self) {
+        self.lose.store(true, Ordering::SeqCst);
+    }
+
+    async fn reply<T>(&self, result: T) -> T {
+        if self.lose.swap(false, Ordering::SeqCst) {
+            self.landed.notify_one();
+            std::future::pending::<()>().await;
+        }
+        result
+    }
+}
+
+#[async_trait::async_trait]
+impl<S: IdempotencyStore> IdempotencyStore for LoseReplies<S> {
+    async fn claim(
+        &self,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<ClaimOutcome, StoreError> {
+        let r = self.inner.claim(id, fingerprint, lease, ttl).await;
+        self.reply(r).await
+    }
+
+    async fn extend(
+        &self,
+        id: &RecordId,
+        token: &Token,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
+        let r = self.inner.extend(id, token, lease).await;
+        self.reply(r).await
+    }
+
+    async fn complete(
+        &self,
+        id: &RecordId,
+        token: &Token,
+        completion: &Completion,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let r = self.inner.complete(id, token, completion, ttl).await;
+        self.reply(r).await
+    }
+
+    async fn release(&self, id: &RecordId, token: &Token) -> Result<(), StoreError> {
+        let r = self.inner.release(id, token).await;
+        self.reply(r).await
+    }
+
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        let r = self.inner.get(id).await;
+        self.reply(r).await
+    }
+}
+
+/// Runs `call` through `store` with its reply lost: the caller gives up waiting (an unknown
+/// outcome) once the call has run in the store.
+async fn with_lost_reply<T: std::fmt::Debug>(
+    store: &LoseReplies<DynStore>,
+    call: impl std::future::Future<Output = T>,
+) {
+    store.lose_next();
+    let landed = store.landed.notified();
+    tokio::pin!(landed);
+    landed.as_mut().enable();
+    // The caller gives up the moment the call has run: ordered by the gate, not a clock.
+    tokio::select! {
+        biased;
+        () = &mut landed => {}
+        r = call => panic!("the reply was to be lost, got {r:?}"),
+    }
+}
+
+/// Guarantee 7 and 9: a call whose reply was lost is unknown, never `Claimed`; what it did is
+/// read back, a retry of the same request does not get a second claim, and a resent
+/// `complete` or `release` answers `Ok`.
+pub async fn lost_replies_are_unknown_and_resends_are_idempotent(store: DynStore) {
+    let lossy = LoseReplies::new(store.clone());
+    let id = unique_id("lost-claim");
+    with_lost_reply(&lossy, lossy.claim(&id, &fp(28), LEASE, TTL)).await;
+    // The claim landed, but nobody was told: the record is in progress, and the same request
+    // sent again is a duplicate (its lease is live), never a second `Claimed`.
+    let rec = store
+        .get(&id)
+        .await
+        .unwrap()
+        .expect("the lost claim landed");
+    assert_eq!(rec.fingerprint, fp(28));
+    assert!(matches!(rec.state, RecordState::InProgress { .. }));
+    match store.claim(&id, &fp(28), LEASE, TTL).await.unwrap() {
+        ClaimOutcome::Existing(r) => assert_eq!(r.generation, rec.generation),
+        other => panic!("a retry after a lost claim reply must not claim again: {other:?}"),
+    }
+
+    let id = unique_id("lost-complete");
+    let t = claim_token(&store, &id, fp(29), LEASE).await;
+    let answer = response(201, "first");
+    with_lost_reply(&lossy, lossy.complete(&id, &t, &answer, TTL)).await;
+    store
+        .complete(&id, &t, &answer, TTL)
+        .await
+        .expect("a resent complete whose first attempt landed is Ok, not Fenced");
+    assert_eq!(
+        store.get(&id).await.unwrap().unwrap().state,
+        RecordState::Completed(answer)
+    );
+
+    let id = unique_id("lost-release");
+    let t = claim_token(&store, &id, fp(30), LEASE).await;
+    with_lost_reply(&lossy, lossy.release(&id, &t)).await;
+    store
+        .release(&id, &t)
+        .await
+        .expect("a resent release whose first attempt landed is Ok, not Fenced");
+    assert!(store.get(&id).await.unwrap().is_none());
+    // The key is free: the same request runs again.
+    match store.claim(&id, &fp(30), LEASE, TTL).await.unwrap() {
+        ClaimOutcome::Claimed(c) => assert!(!c.takeover),
+        other => panic!("a released key must be claimable, got {other:?}"),
+    }
+}
+
 /// Fills `store` with completed records until it refuses a claim, then checks that the refusal
 /// is `Full`, that nothing was evicted and that completed records still replay.
 pub async fn full_store_refuses_claims_and_keeps_records(store: DynStore) {
@@ -465,6 +796,11 @@ macro_rules! conformance_suite {
             ttl_expiry_makes_the_key_new,
             completed_records_are_not_taken_over_after_the_lease,
             scopes_are_isolated,
+            records_live_for_their_ttl_and_no_longer,
+            ttl_counts_from_completion,
+            concurrent_claims_of_a_lapsed_or_expired_record_yield_exactly_one,
+            forged_extend_leaves_the_lease_unchanged,
+            lost_replies_are_unknown_and_resends_are_idempotent,
         );
         $(
             $crate::conformance_suite!(@test $full; full_store_refuses_claims_and_keeps_records,);
