@@ -83,6 +83,14 @@
 //! `examples/shop` is a complete payments API: `cargo run --example shop`. `examples/grpc` is
 //! the same shop over tonic; [`tonic_guide`] covers gRPC.
 //!
+//! # The client side
+//!
+//! The server side is half of it: clients must send one key per intent and retry with
+//! jitter, within a budget and a deadline. With the `client` feature,
+//! `client::IdempotentRetryLayer` does that for any tower HTTP client (hyper-util, tonic
+//! channels): `cargo run --example client` pays the shop through it, and `examples/herd`
+//! shows what jitter does to a thundering herd.
+//!
 //! # Choosing a store
 //!
 //! | store | feature | use when |
@@ -110,6 +118,7 @@
 //! |---|---|---|
 //! | `redis` | no | `store::redis` with the `redis` crate (1.x): single node and Cluster |
 //! | `postgres` | no | `store::postgres` with `tokio-postgres` and `deadpool-postgres` |
+//! | `client` | no | `client`: the retry layer for clients, with `tower`'s retry and `httpdate` |
 //!
 //! # What "exactly once" means here
 //!
@@ -136,6 +145,9 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod body;
+#[cfg(feature = "client")]
+#[cfg_attr(docsrs, doc(cfg(feature = "client")))]
+pub mod client;
 mod context;
 mod error;
 mod fingerprint;
