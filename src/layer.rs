@@ -154,6 +154,20 @@ fn grpc_path_matches(pattern: &str, path: &str) -> bool {
 }
 
 impl Config {
+    /// The response headers a record keeps: the one rule for the layer and for handlers
+    /// that record their own answer.
+    pub(crate) fn recorded_headers(
+        &self,
+        grpc: bool,
+        headers: &http::HeaderMap,
+    ) -> http::HeaderMap {
+        if grpc {
+            crate::response::grpc_recorded_headers(headers)
+        } else {
+            crate::response::recorded_headers(headers, &self.recorded_headers)
+        }
+    }
+
     /// Whether a gRPC request to `path` is protected: in `grpc_methods` (all when unset)
     /// and not in `grpc_passthrough`.
     pub(crate) fn grpc_protected(&self, path: &str) -> bool {

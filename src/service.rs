@@ -607,6 +607,8 @@ impl Keyed {
             self.id,
             self.fp,
             token,
+            self.flow.cfg.clone(),
+            self.flow.grpc,
         );
         parts.extensions.insert(ctx);
         let req = Request::from_parts(parts, RequestBody::buffered(bytes));
@@ -728,11 +730,7 @@ impl Keyed {
                         outcome("executed");
                         let stored = StoredResponse {
                             status: parts.status,
-                            headers: if self.flow.grpc {
-                                response::grpc_recorded_headers(&parts.headers)
-                            } else {
-                                response::recorded_headers(&parts.headers, &cfg.recorded_headers)
-                            },
+                            headers: cfg.recorded_headers(self.flow.grpc, &parts.headers),
                             body: data.clone(),
                             trailers: trailers.clone(),
                         };
