@@ -159,6 +159,12 @@ mod response;
 mod service;
 pub mod store;
 
+#[cfg(feature = "axum")]
+mod axum;
+#[cfg(feature = "axum")]
+#[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
+pub use crate::axum::MissingIdempotencyContext;
+
 #[cfg(feature = "conformance")]
 #[cfg_attr(docsrs, doc(cfg(feature = "conformance")))]
 pub mod conformance;
