@@ -4,7 +4,6 @@
 mod common;
 #[path = "../examples/common/mod.rs"]
 mod example_env;
-#[allow(dead_code)]
 mod redis_harness;
 
 use std::time::Duration;
