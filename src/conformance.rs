@@ -38,7 +38,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use crate::store::{ClaimOutcome, IdempotencyStore, StoreError, StoreErrorKind};
+use crate::store::{
+    ClaimOutcome, IdempotencyAdmin, IdempotencyStore, RecordStatus, Removal, StoreError,
+    StoreErrorKind,
+};
 use crate::{Completion, Fingerprint, Record, RecordId, RecordState, StoredResponse, Token};
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
@@ -46,6 +49,14 @@ use tokio::sync::{Barrier, Notify};
 
 /// A shared store, as the checks take it.
 pub type DynStore = Arc<dyn IdempotencyStore>;
+
+/// A store with the [operator API](crate::store::IdempotencyAdmin), for
+/// [`operator_api_inspects_releases_and_deletes`].
+pub trait AdminStore: IdempotencyStore + IdempotencyAdmin {}
+impl<T: IdempotencyStore + IdempotencyAdmin + ?Sized> AdminStore for T {}
+
+/// A shared store with the operator API.
+pub type DynAdminStore = Arc<dyn AdminStore>;
 
 const LEASE: Duration = Duration::from_secs(30);
 const TTL: Duration = Duration::from_secs(600);
@@ -811,6 +822,100 @@ pub async fn full_store_refuses_claims_and_keeps_records(store: DynStore) {
     }
 }
 
+/// The operator API: `inspect` reports state, generation, lease, expiry and the answer;
+/// `force_release` removes only a record in progress (its holder is fenced from then on);
+/// `delete` removes only a completed one; both say when there was nothing.
+pub async fn operator_api_inspects_releases_and_deletes(store: DynAdminStore) {
+    let id = unique_id("admin");
+    let absent = unique_id("admin-absent");
+    assert_eq!(store.inspect(&absent).await.unwrap(), None);
+    assert_eq!(store.force_release(&absent).await.unwrap(), Removal::Absent);
+    assert_eq!(store.delete(&absent).await.unwrap(), Removal::Absent);
+
+    // In progress: the lease and the expiry are the store's, within the round trip.
+    let token = admin_claim(&store, &id, fp(1)).await;
+    let info = store.inspect(&id).await.unwrap().expect("claimed record");
+    assert_eq!(info.status, RecordStatus::InProgress);
+    assert_eq!(info.generation, 1);
+    assert_eq!(info.fingerprint, fp(1));
+    let lease = info.lease_remaining.expect("in progress has a lease");
+    assert!(
+        lease <= LEASE && lease > LEASE - Duration::from_secs(5),
+        "{lease:?}"
+    );
+    assert!(
+        info.expires_in <= TTL && info.expires_in > TTL - Duration::from_secs(5),
+        "{info:?}"
+    );
+    assert_eq!((info.answer_status, info.answer_size), (None, None));
+    assert_eq!(store.delete(&id).await.unwrap(), Removal::Refused);
+    assert!(
+        store.inspect(&id).await.unwrap().is_some(),
+        "a refused delete removed it"
+    );
+    assert_eq!(store.force_release(&id).await.unwrap(), Removal::Removed);
+    assert_eq!(store.inspect(&id).await.unwrap(), None);
+    assert_fenced(
+        store
+            .complete(&id, &token, &response(201, "late"), TTL)
+            .await,
+        "the released holder's complete",
+    );
+    assert_fenced(
+        store.extend(&id, &token, LEASE).await,
+        "the released holder's extend",
+    );
+
+    // Completed: status and body size; force_release refuses, delete removes.
+    let token = admin_claim(&store, &id, fp(2)).await;
+    assert_eq!(token.generation(), 1, "a released key starts again");
+    let body = vec![b'x'; 237];
+    store
+        .complete(&id, &token, &response(201, body), TTL)
+        .await
+        .unwrap();
+    let info = store.inspect(&id).await.unwrap().expect("completed record");
+    assert_eq!(info.status, RecordStatus::Completed);
+    assert_eq!(info.answer_status, Some(StatusCode::CREATED));
+    assert_eq!(info.answer_size, Some(237));
+    assert_eq!(info.lease_remaining, None);
+    assert!(
+        info.expires_in <= TTL && info.expires_in > TTL - Duration::from_secs(5),
+        "{info:?}"
+    );
+    assert_eq!(store.force_release(&id).await.unwrap(), Removal::Refused);
+    assert!(
+        store.get(&id).await.unwrap().is_some(),
+        "a refused release removed it"
+    );
+    assert_eq!(store.delete(&id).await.unwrap(), Removal::Removed);
+    assert_eq!(store.get(&id).await.unwrap(), None);
+    assert_eq!(store.delete(&id).await.unwrap(), Removal::Absent);
+
+    // A tombstone is completed too, with its status and no body.
+    let token = admin_claim(&store, &id, fp(3)).await;
+    let tomb = Completion::Tombstone {
+        status: StatusCode::OK,
+    };
+    store.complete(&id, &token, &tomb, TTL).await.unwrap();
+    let info = store.inspect(&id).await.unwrap().expect("tombstone");
+    assert_eq!(info.status, RecordStatus::Tombstone);
+    assert_eq!(
+        (info.answer_status, info.answer_size),
+        (Some(StatusCode::OK), None)
+    );
+    // Another scope's record of the same key is not this one.
+    assert_eq!(store.inspect(&absent).await.unwrap(), None);
+    assert_eq!(store.delete(&id).await.unwrap(), Removal::Removed);
+}
+
+async fn admin_claim(store: &DynAdminStore, id: &RecordId, f: Fingerprint) -> Token {
+    match store.claim(id, &f, LEASE, TTL).await.expect("claim") {
+        ClaimOutcome::Claimed(c) => c.token,
+        other => panic!("expected Claimed, got {other:?}"),
+    }
+}
+
 /// Runs every check at once, each on a fresh store from `new_store`, and the full-store
 /// check when `full` yields a store small enough to fill. Panics on the first violation.
 ///
@@ -871,10 +976,11 @@ where
 /// Generates one `#[tokio::test]` per conformance check.
 ///
 /// `store` is an async block yielding `Option<DynStore>` (a fresh store, or `None` to skip);
-/// `full`, when given, yields `Option<DynStore>` for a store small enough to fill.
+/// `full`, when given, yields `Option<DynStore>` for a store small enough to fill; `admin`,
+/// when given, yields `Option<DynAdminStore>` (a store with the operator API).
 #[macro_export]
 macro_rules! conformance_suite {
-    (store: $store:expr $(, full: $full:expr)? $(,)?) => {
+    (store: $store:expr $(, full: $full:expr)? $(, admin: $admin:expr)? $(,)?) => {
         $crate::conformance_suite!(@test $store;
             concurrent_claims_of_one_key_yield_exactly_one_claimed,
             completed_records_replay_byte_exactly,
@@ -894,6 +1000,9 @@ macro_rules! conformance_suite {
         );
         $(
             $crate::conformance_suite!(@test $full; full_store_refuses_claims_and_keeps_records,);
+        )?
+        $(
+            $crate::conformance_suite!(@test $admin; operator_api_inspects_releases_and_deletes,);
         )?
     };
     (@test $store:expr; $($name:ident,)*) => {

@@ -16,6 +16,7 @@ conformance_suite! {
             .build();
         Some(Arc::new(store) as DynStore)
     },
+    admin: async { Some(Arc::new(MemoryStore::new()) as conformance::DynAdminStore) },
 }
 
 #[tokio::test]

@@ -143,6 +143,16 @@ impl IdempotencyStore for WithSchema {
 conformance_suite! {
     store: conformance_store(),
     full: full_store(),
+    admin: admin_store(),
+}
+
+async fn admin_store() -> Option<conformance::DynAdminStore> {
+    let url = pg_support::url()?;
+    let store = PostgresStore::new(pool(&url, 2, "tidem-admin"))
+        .with_table("tidem_conformance")
+        .unwrap();
+    store.migrate().await.unwrap();
+    Some(Arc::new(store) as conformance::DynAdminStore)
 }
 
 fn claimed(outcome: ClaimOutcome) -> Token {

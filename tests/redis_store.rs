@@ -61,6 +61,7 @@ conformance_suite! {
         let store = RedisStore::connect(&server.url()).await.unwrap();
         Some(Arc::new(WithServer { store, server }) as DynStore)
     },
+    admin: async { Some(Arc::new(shared_store().await?) as conformance::DynAdminStore) },
 }
 
 #[tokio::test]

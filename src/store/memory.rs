@@ -397,6 +397,10 @@ impl MemoryStore {
 
 #[async_trait]
 impl IdempotencyStore for MemoryStore {
+    fn name(&self) -> &'static str {
+        "memory"
+    }
+
     async fn claim(
         &self,
         id: &RecordId,
@@ -481,6 +485,47 @@ impl IdempotencyStore for MemoryStore {
             .get(id)
             .filter(|e| e.expires_at > now)
             .map(|e| e.record(now)))
+    }
+}
+
+#[async_trait]
+impl super::IdempotencyAdmin for MemoryStore {
+    async fn inspect(&self, id: &RecordId) -> Result<Option<super::RecordInfo>, StoreError> {
+        let shard = self.shard(id);
+        let now = Instant::now();
+        Ok(shard
+            .map
+            .get(id)
+            .filter(|e| e.expires_at > now)
+            .map(|e| super::RecordInfo::new(&e.record(now), e.expires_at - now)))
+    }
+
+    async fn force_release(&self, id: &RecordId) -> Result<super::Removal, StoreError> {
+        self.remove_if(id, |e| e.completion.is_none())
+    }
+
+    async fn delete(&self, id: &RecordId) -> Result<super::Removal, StoreError> {
+        self.remove_if(id, |e| e.completion.is_some())
+    }
+}
+
+impl MemoryStore {
+    /// Removes the live record of `id` if `wanted` says so, under the shard lock.
+    fn remove_if(
+        &self,
+        id: &RecordId,
+        wanted: impl FnOnce(&Entry) -> bool,
+    ) -> Result<super::Removal, StoreError> {
+        let mut shard = self.shard(id);
+        let now = Instant::now();
+        match shard.map.get(id).filter(|e| e.expires_at > now) {
+            None => Ok(super::Removal::Absent),
+            Some(e) if wanted(e) => {
+                self.inner.remove(&mut shard, id);
+                Ok(super::Removal::Removed)
+            }
+            Some(_) => Ok(super::Removal::Refused),
+        }
     }
 }
 

@@ -200,6 +200,9 @@ use crate::record::{Completion, Fingerprint, Record, RecordId, Token};
 
 pub mod memory;
 
+mod admin;
+pub use admin::{IdempotencyAdmin, RecordInfo, RecordStatus, Removal};
+
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;
@@ -352,6 +355,12 @@ pub trait IdempotencyStore: Send + Sync + 'static {
 
     /// Reads the record, if any. A record past its TTL is absent.
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError>;
+
+    /// A short, fixed name for the `store` label of the layer's metrics (`"memory"`,
+    /// `"redis"`, `"postgres"`). Default `"custom"`.
+    fn name(&self) -> &'static str {
+        "custom"
+    }
 }
 
 #[async_trait]
@@ -391,6 +400,10 @@ impl<T: IdempotencyStore + ?Sized> IdempotencyStore for Arc<T> {
 
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         (**self).get(id).await
+    }
+
+    fn name(&self) -> &'static str {
+        (**self).name()
     }
 }
 

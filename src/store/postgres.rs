@@ -437,6 +437,8 @@ struct Sql {
     held: String,
     get: String,
     sweep: String,
+    inspect: String,
+    remove: String,
 }
 
 impl Sql {
@@ -578,6 +580,23 @@ impl Sql {
                  FROM {t} AS r WHERE r.id = $1::bytea AND NOT {exp}"
             ),
             get: format!("SELECT {record_cols} FROM {t} AS r WHERE r.id = $1::bytea AND NOT {exp}"),
+            // The operator API. A live lease keeps a row past `expires_at`: count to the later.
+            inspect: format!(
+                "SELECT {record_cols}, GREATEST(0, EXTRACT(EPOCH FROM (
+                            GREATEST(r.expires_at, CASE WHEN r.state = 0 THEN r.locked_until END)
+                            - statement_timestamp())) * 1000000)::bigint AS expires_us
+                 FROM {t} AS r WHERE r.id = $1::bytea AND NOT {exp}"
+            ),
+            // $1 id, $2 true to remove a completed row, false one in progress.
+            remove: format!(
+                "WITH del AS (
+                     DELETE FROM {t} AS r
+                     WHERE r.id = $1::bytea AND NOT {exp} AND (r.state <> 0) = $2::bool
+                     RETURNING 1
+                 )
+                 SELECT EXISTS (SELECT FROM del) AS removed,
+                        EXISTS (SELECT FROM {t} AS r WHERE r.id = $1::bytea AND NOT {exp}) AS present"
+            ),
             // SKIP LOCKED: never wait behind a claim that is replacing an expired row.
             sweep: format!(
                 "DELETE FROM {t} AS r
@@ -1455,6 +1474,10 @@ impl PostgresStore {
 
 #[async_trait]
 impl IdempotencyStore for PostgresStore {
+    fn name(&self) -> &'static str {
+        "postgres"
+    }
+
     async fn claim(
         &self,
         id: &RecordId,
@@ -1570,6 +1593,52 @@ impl IdempotencyStore for PostgresStore {
             .run(&self.sql.get, &[&id.as_bytes().as_slice()], true)
             .await?;
         rows.first().map(decode_record).transpose()
+    }
+}
+
+impl PostgresStore {
+    /// One conditional delete; a lost reply is `Unavailable` (read back with `inspect`).
+    async fn remove(&self, id: &RecordId, completed: bool) -> Result<super::Removal, StoreError> {
+        let rows = self
+            .run(
+                &self.sql.remove,
+                &[&id.as_bytes().as_slice(), &completed],
+                true,
+            )
+            .await?;
+        let row = rows
+            .first()
+            .ok_or_else(|| corrupt("remove returned no row"))?;
+        let (removed, present): (bool, bool) = (column(row, "removed")?, column(row, "present")?);
+        Ok(match (removed, present) {
+            (true, _) => super::Removal::Removed,
+            (false, true) => super::Removal::Refused,
+            (false, false) => super::Removal::Absent,
+        })
+    }
+}
+
+#[async_trait]
+impl super::IdempotencyAdmin for PostgresStore {
+    async fn inspect(&self, id: &RecordId) -> Result<Option<super::RecordInfo>, StoreError> {
+        let rows = self
+            .run(&self.sql.inspect, &[&id.as_bytes().as_slice()], true)
+            .await?;
+        let Some(row) = rows.first() else {
+            return Ok(None);
+        };
+        let record = decode_record(row)?;
+        let us: i64 = column(row, "expires_us")?;
+        let expires_in = Duration::from_micros(u64::try_from(us).unwrap_or(0));
+        Ok(Some(super::RecordInfo::new(&record, expires_in)))
+    }
+
+    async fn force_release(&self, id: &RecordId) -> Result<super::Removal, StoreError> {
+        self.remove(id, false).await
+    }
+
+    async fn delete(&self, id: &RecordId) -> Result<super::Removal, StoreError> {
+        self.remove(id, true).await
     }
 }
 

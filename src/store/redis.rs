@@ -1204,6 +1204,10 @@ fn claimed(generation: u64, nonce: [u8; 16]) -> ClaimOutcome {
 
 #[async_trait]
 impl IdempotencyStore for RedisStore {
+    fn name(&self) -> &'static str {
+        "redis"
+    }
+
     async fn claim(
         &self,
         id: &RecordId,
@@ -1348,6 +1352,71 @@ impl IdempotencyStore for RedisStore {
             Ok(found) => Ok(found.map(|f| f.record)),
             Err(e) => Err(e.into_error()),
         }
+    }
+}
+
+// The operator API. KEYS[1] record. Reads the record and its remaining time to live.
+const INSPECT: &str = r"
+local r = redis.call('HMGET', KEYS[1], 'v', 'f', 'g', 'n', 'l', 'c')
+if not r[1] then return false end
+local out = read(r, now_ms(), '')
+table.insert(out, redis.call('PTTL', KEYS[1]))
+return out
+";
+
+// KEYS[1] record; ARGV[1] '0' to remove a record in progress, '1' a completed one.
+// Replies 0 absent, 1 removed, 2 refused (the other state).
+const REMOVE: &str = r"
+local r = redis.call('HMGET', KEYS[1], 'v', 'c')
+if not r[1] then return 0 end
+local done = '0'
+if r[2] then done = '1' end
+if done ~= ARGV[1] then return 2 end
+redis.call('DEL', KEYS[1])
+return 1
+";
+
+impl RedisStore {
+    /// Runs REMOVE; `completed` picks the state that may be removed. Operator calls skip
+    /// `WAIT`: they are rare, and the operator reads the result back.
+    async fn remove(&self, id: &RecordId, completed: bool) -> Result<super::Removal, StoreError> {
+        let script = Script::new(REMOVE);
+        let key = self.key(id);
+        let mut inv = script.key(&key);
+        inv.arg(if completed { "1" } else { "0" });
+        match int_of(&self.eval(&inv).await.map_err(Failure::into_error)?) {
+            Some(0) => Ok(super::Removal::Absent),
+            Some(1) => Ok(super::Removal::Removed),
+            Some(2) => Ok(super::Removal::Refused),
+            _ => Err(corrupt("remove reply is not 0, 1 or 2")),
+        }
+    }
+}
+
+#[async_trait]
+impl super::IdempotencyAdmin for RedisStore {
+    async fn inspect(&self, id: &RecordId) -> Result<Option<super::RecordInfo>, StoreError> {
+        let script = Script::new(&[PRELUDE, INSPECT].concat());
+        let key = self.key(id);
+        let inv = script.key(&key);
+        let mut items = match self.eval(&inv).await.map_err(Failure::into_error)? {
+            v if is_nil(&v) => return Ok(None),
+            Value::Array(items) if items.len() == 7 => items,
+            _ => return Err(corrupt("inspect reply is not 7 values")),
+        };
+        let pttl = items.pop().as_ref().and_then(int_of).unwrap_or(0);
+        let found = parse_found(items)?;
+        // PTTL is -1 for a key without expiry, which the store never writes.
+        let expires_in = Duration::from_millis(u64::try_from(pttl).unwrap_or(0));
+        Ok(Some(super::RecordInfo::new(&found.record, expires_in)))
+    }
+
+    async fn force_release(&self, id: &RecordId) -> Result<super::Removal, StoreError> {
+        self.remove(id, false).await
+    }
+
+    async fn delete(&self, id: &RecordId) -> Result<super::Removal, StoreError> {
+        self.remove(id, true).await
     }
 }
 
