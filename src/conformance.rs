@@ -39,8 +39,8 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::store::{
-    ClaimOutcome, IdempotencyAdmin, IdempotencyStore, RecordStatus, Removal, StoreError,
-    StoreErrorKind,
+    AdminStore, ClaimOutcome, IdempotencyAdmin, IdempotencyStore, RecordStatus, Removal,
+    StoreError, StoreErrorKind,
 };
 use crate::{Completion, Fingerprint, Record, RecordId, RecordState, StoredResponse, Token};
 use bytes::Bytes;
@@ -50,12 +50,8 @@ use tokio::sync::{Barrier, Notify};
 /// A shared store, as the checks take it.
 pub type DynStore = Arc<dyn IdempotencyStore>;
 
-/// A store with the [operator API](crate::store::IdempotencyAdmin), for
+/// A shared store with the [operator API](crate::store::IdempotencyAdmin), for
 /// [`operator_api_inspects_releases_and_deletes`].
-pub trait AdminStore: IdempotencyStore + IdempotencyAdmin {}
-impl<T: IdempotencyStore + IdempotencyAdmin + ?Sized> AdminStore for T {}
-
-/// A shared store with the operator API.
 pub type DynAdminStore = Arc<dyn AdminStore>;
 
 const LEASE: Duration = Duration::from_secs(30);

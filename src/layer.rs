@@ -137,7 +137,18 @@ pub(crate) struct Config {
     pub(crate) max_grpc_request_body: usize,
     pub(crate) grpc_methods: Option<Vec<String>>,
     pub(crate) grpc_passthrough: Vec<String>,
+    /// The `route` metric label when no matched route is known.
+    pub(crate) route_label: std::borrow::Cow<'static, str>,
+    pub(crate) on_abandoned: Option<AbandonedFn>,
+    /// Send [`TTL_HEADER`] on recorded answers and replays.
+    pub(crate) ttl_header: bool,
 }
+
+pub(crate) type AbandonedFn = Arc<dyn Fn(&crate::Abandoned) + Send + Sync>;
+
+/// The header that publishes how long keys live, when
+/// [`with_ttl_header`](IdempotencyLayer::with_ttl_header) is on.
+pub const TTL_HEADER: HeaderName = HeaderName::from_static("idempotency-key-ttl");
 
 /// gRPC services that never need a key, passed through by default: health checks (probes
 /// send no key) and server reflection (a bidirectional stream).
@@ -206,6 +217,17 @@ impl Config {
                 .iter()
                 .any(|p| grpc_path_matches(p, path))
     }
+
+    /// The configured gRPC method or service pattern `path` matched, if a list is set: a
+    /// bounded metric label, where the path itself is whatever the client sent.
+    #[cfg(feature = "metrics")]
+    pub(crate) fn grpc_pattern(&self, path: &str) -> Option<&str> {
+        self.grpc_methods
+            .as_ref()?
+            .iter()
+            .find(|p| grpc_path_matches(p, path))
+            .map(String::as_str)
+    }
 }
 
 /// Makes keyed requests safe to retry: the inner service runs at most once per
@@ -268,6 +290,9 @@ impl IdempotencyLayer {
                 max_grpc_request_body: 4 << 20,
                 grpc_methods: None,
                 grpc_passthrough: DEFAULT_GRPC_PASSTHROUGH.map(String::from).to_vec(),
+                route_label: std::borrow::Cow::Borrowed("unnamed"),
+                on_abandoned: None,
+                ttl_header: false,
             }),
         }
     }
@@ -469,6 +494,55 @@ impl IdempotencyLayer {
     pub fn with_grpc_passthrough(self, path: impl Into<String>) -> Result<Self, ConfigError> {
         let path = grpc_path(path.into())?;
         Ok(self.edit(|c| c.grpc_passthrough.push(path)))
+    }
+
+    /// The `route` label of this layer's metrics (feature `metrics`) when the request
+    /// carries no matched route: axum's `MatchedPath` is used when present (feature
+    /// `axum`, layer added with `Router::layer`), and for gRPC the
+    /// [`with_grpc_methods`](Self::with_grpc_methods) entry the path matched. The raw
+    /// path is never a label: clients could fill it with unbounded values. Default
+    /// `"unnamed"`.
+    pub fn with_route_label(self, label: impl Into<std::borrow::Cow<'static, str>>) -> Self {
+        let label = label.into();
+        self.edit(|c| c.route_label = label)
+    }
+
+    /// Calls `hook` when a claim takes over a key whose holder's lease lapsed: the earlier
+    /// attempt died (or lost the store) without finishing, and may have done part of its
+    /// work. The hook runs before the inner service, on the request's task: keep it short
+    /// (log, count, queue a reconciliation), and check there whether the side effect
+    /// happened (say, ask the card network) before the retry charges again.
+    ///
+    /// ```
+    /// # use tower_idempotency::{store::MemoryStore, IdempotencyLayer};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_abandoned_hook(|a| {
+    ///     tracing::warn!(
+    ///         record = %a.record.to_hex(),
+    ///         old = a.old_generation,
+    ///         new = a.new_generation,
+    ///         "idempotency key abandoned by a previous attempt; reconcile"
+    ///     );
+    /// });
+    /// # drop(layer);
+    /// ```
+    pub fn with_abandoned_hook<F>(self, hook: F) -> Self
+    where
+        F: Fn(&crate::Abandoned) + Send + Sync + 'static,
+    {
+        self.edit(|c| c.on_abandoned = Some(Arc::new(hook)))
+    }
+
+    /// Publishes how long keys live: recorded answers and replays carry
+    /// [`TTL_HEADER`] (`Idempotency-Key-TTL`), the retention in whole seconds (an RFC 8941
+    /// integer), counted from when the answer was recorded. Off by default.
+    ///
+    /// The IETF Idempotency-Key draft asks a resource to publish its key expiry policy
+    /// and defines no header for it; this one states the policy on the answers it governs.
+    /// It is a duration, not a date, so it does not depend on the client's clock, and the
+    /// same on a replay as on the first answer (the replay's own instant of expiry would
+    /// need a store read).
+    pub fn with_ttl_header(self, on: bool) -> Self {
+        self.edit(|c| c.ttl_header = on)
     }
 }
 

@@ -226,6 +226,7 @@
 //! requests. The typed [`IdempotencyError`] is in the response extensions.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod abandoned;
 mod body;
 #[cfg(feature = "client")]
 #[cfg_attr(docsrs, doc(cfg(feature = "client")))]
@@ -235,6 +236,7 @@ mod error;
 mod fingerprint;
 mod key;
 mod layer;
+mod metrics;
 mod policy;
 mod record;
 mod response;
@@ -251,11 +253,12 @@ pub use crate::axum::MissingIdempotencyContext;
 #[cfg_attr(docsrs, doc(cfg(feature = "conformance")))]
 pub mod conformance;
 
+pub use abandoned::Abandoned;
 pub use body::{RequestBody, ResponseBody};
 pub use context::IdempotencyContext;
 pub use error::{ConfigError, ErrorKind, IdempotencyError};
 pub use fingerprint::JsonPointer;
-pub use layer::{IdempotencyLayer, Retention, DEFAULT_STORE_TIMEOUT_MAX, MIN_LEASE};
+pub use layer::{IdempotencyLayer, Retention, DEFAULT_STORE_TIMEOUT_MAX, MIN_LEASE, TTL_HEADER};
 pub use policy::{DefaultRecordPolicy, RecordDecision, RecordPolicy, ResponseInfo};
 pub use record::{
     Completion, DecodeError, Fingerprint, Record, RecordId, RecordState, StoredResponse, Token,

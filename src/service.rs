@@ -25,6 +25,7 @@ use crate::error::{ErrorKind, IdempotencyError};
 use crate::fingerprint::fingerprint;
 use crate::key;
 use crate::layer::Config;
+use crate::metrics::{timed, Labels};
 use crate::policy::{decide, is_grpc, RecordDecision, ResponseInfo};
 use crate::record::{Completion, Fingerprint, RecordId, RecordState, StoredResponse, Token};
 use crate::response;
@@ -127,6 +128,7 @@ where
                 req
             }
         };
+        let labels = Labels::new(cfg, req.extensions(), req.uri().path(), grpc);
         // 2. Key.
         let key = match key::extract(req.headers(), &cfg.header) {
             Ok(Some(key)) => key,
@@ -137,10 +139,12 @@ where
                 let field = if grpc { "metadata entry" } else { "header" };
                 let detail = format!("this request requires an `{}` {field}", cfg.header);
                 let err = IdempotencyError::new(ErrorKind::KeyMissing, detail);
+                labels.outcome("key_missing");
                 return ResponseFuture::ready(render(cfg, grpc, err));
             }
             Err(e) => {
                 let err = IdempotencyError::new(ErrorKind::KeyInvalid, e.detail());
+                labels.outcome("key_invalid");
                 return ResponseFuture::ready(render(cfg, grpc, err));
             }
         };
@@ -151,6 +155,7 @@ where
             cfg: self.config.clone(),
             grpc,
             key: key.into(),
+            labels,
         };
         ResponseFuture::flow(Box::pin(flow.run(inner, req)))
     }
@@ -211,6 +216,7 @@ struct Flow {
     cfg: Arc<Config>,
     grpc: bool,
     key: Arc<str>,
+    labels: Labels,
 }
 
 impl Flow {
@@ -235,6 +241,7 @@ impl Flow {
             Some(f) => match f(&parts) {
                 Some(s) => Some(s.into()),
                 None => {
+                    self.labels.outcome("scope_missing");
                     tracing::error!("idempotency scope function returned None: the idempotency layer runs before the layer that sets the scope. Put authentication outside it: with axum, call `.layer(auth)` after `.layer(idempotency)` (the last `.layer()` call is the outermost); with ServiceBuilder or tonic, list the auth layer first");
                     let err = IdempotencyError::new(
                         ErrorKind::ScopeMissing,
@@ -258,12 +265,17 @@ impl Flow {
             )
         };
         if content_length(&parts.headers).is_some_and(|n| n > limit as u64) {
+            self.labels.outcome("body_too_large");
             return Ok(self.error(too_large()));
         }
         let bytes = match Limited::new(body, limit).collect().await {
             Ok(collected) => collected.to_bytes(),
-            Err(e) if e.is::<LengthLimitError>() => return Ok(self.error(too_large())),
+            Err(e) if e.is::<LengthLimitError>() => {
+                self.labels.outcome("body_too_large");
+                return Ok(self.error(too_large()));
+            }
             Err(e) => {
+                self.labels.outcome("body_unreadable");
                 tracing::debug!(error = %e, "request body unreadable");
                 return Ok(self.error(IdempotencyError::new(
                     ErrorKind::BodyUnreadable,
@@ -338,6 +350,7 @@ type ClaimFuture = Pin<Box<dyn Future<Output = Result<ClaimOutcome, StoreError>>
 struct PendingClaim {
     future: Option<ClaimFuture>,
     cfg: Arc<Config>,
+    labels: Labels,
     id: RecordId,
     sent: Instant,
 }
@@ -361,7 +374,7 @@ impl Drop for PendingClaim {
         let Some(future) = self.future.take() else {
             return;
         };
-        let (cfg, id) = (self.cfg.clone(), self.id);
+        let (cfg, id, labels) = (self.cfg.clone(), self.id, self.labels.clone());
         // A claim that took effect holds the key for one lease from when it was sent at the
         // earliest; past that it lapses on its own, so nothing waits longer.
         let lease_end = deadline(self.sent, cfg.retention.lease());
@@ -372,7 +385,10 @@ impl Drop for PendingClaim {
                 {
                     let store = &*cfg.store;
                     let timeout = cfg.retention.store_timeout();
-                    let released = retry_until(lease_end, timeout, || store.release(&id, &claim.token)).await;
+                    let released = retry_until(lease_end, timeout, || {
+                        timed(labels.store_call("release"), store.release(&id, &claim.token))
+                    })
+                    .await;
                     if let Err(e) = released {
                         tracing::warn!(error = %Chain(&e), "could not release a claim whose request went away; it lapses with its lease");
                     }
@@ -476,6 +492,23 @@ fn outcome(name: &'static str) {
     tracing::Span::current().record("outcome", name);
 }
 
+impl Keyed {
+    /// Adds the published TTL to a recorded answer or a replay, when configured.
+    fn publish_ttl(&self, headers: &mut HeaderMap) {
+        let cfg = &*self.flow.cfg;
+        if cfg.ttl_header {
+            let secs = cfg.retention.ttl().as_secs();
+            headers.insert(crate::layer::TTL_HEADER, http::HeaderValue::from(secs));
+        }
+    }
+
+    /// Names the request's outcome in its span and counts it.
+    fn outcome(&self, name: &'static str) {
+        outcome(name);
+        self.flow.labels.outcome(name);
+    }
+}
+
 /// Retries `op` until it succeeds, is fenced, or `until` passes. Each attempt runs under
 /// its own deadline, `timeout` from its start and never past `until`.
 async fn retry_until<F, Fut>(until: Instant, timeout: Duration, mut op: F) -> Result<(), StoreError>
@@ -512,9 +545,11 @@ impl Keyed {
             let pending = PendingClaim {
                 future: Some({
                     let (store, id, fp) = (cfg.store.clone(), self.id, self.fp);
-                    Box::pin(async move { store.claim(&id, &fp, lease, ttl).await })
+                    let timer = self.flow.labels.store_call("claim");
+                    Box::pin(async move { timed(timer, store.claim(&id, &fp, lease, ttl)).await })
                 }),
                 cfg: self.flow.cfg.clone(),
+                labels: self.flow.labels.clone(),
                 id: self.id,
                 sent,
             };
@@ -522,12 +557,12 @@ impl Keyed {
                 Ok(ClaimOutcome::Claimed(claim)) => return Step::Claimed(claim, sent),
                 Ok(ClaimOutcome::Existing(record)) => record,
                 Err(e) if cfg.fail_open => {
-                    outcome("store_error");
+                    self.outcome("store_error");
                     tracing::warn!(error = %Chain(&e), "idempotency store failed; running unprotected (fail open)");
                     return Step::FailOpen;
                 }
                 Err(e) => {
-                    outcome("store_error");
+                    self.outcome("store_error");
                     tracing::error!(error = %Chain(&e), "idempotency store failed; refusing the request (fail closed)");
                     let detail = if e.kind() == StoreErrorKind::Unknown {
                         "the idempotency store did not answer in time; the request was not processed"
@@ -541,7 +576,7 @@ impl Keyed {
                 }
             };
             if record.fingerprint != self.fp {
-                outcome("mismatch");
+                self.outcome("mismatch");
                 let err = IdempotencyError::new(
                     ErrorKind::Mismatch,
                     "this idempotency key was already used with a different request",
@@ -550,22 +585,27 @@ impl Keyed {
             }
             match record.state {
                 RecordState::Completed(Completion::Response(stored)) => {
-                    outcome("replayed");
-                    return Step::Answer(response::replay(&stored));
+                    self.outcome("replayed");
+                    let mut res = response::replay(&stored);
+                    self.publish_ttl(res.headers_mut());
+                    return Step::Answer(res);
                 }
                 RecordState::Completed(Completion::Tombstone { status }) => {
-                    outcome("tombstoned");
+                    self.outcome("tombstoned");
                     let err = IdempotencyError::new(ErrorKind::ResponseNotRetained, "the original request completed, but its response was too large to keep; it was not run again")
                         .original_status(status);
                     return Step::Answer(self.flow.error(err));
                 }
                 RecordState::InProgress { lease_remaining } => {
                     if let Some(until) = wait_until {
-                        if self.wait_for_change(until).await {
+                        let started = Instant::now();
+                        let changed = self.wait_for_change(until).await;
+                        self.flow.labels.waited(started.elapsed());
+                        if changed {
                             continue;
                         }
                     }
-                    outcome("conflict");
+                    self.outcome("conflict");
                     let err = IdempotencyError::new(
                         ErrorKind::InProgress,
                         "a request with this idempotency key is still being processed",
@@ -588,7 +628,8 @@ impl Keyed {
             tokio::time::sleep(pause).await;
             pause = (pause * 2).min(BACKOFF_MAX);
             let read = deadline(Instant::now(), cfg.retention.store_timeout());
-            match bounded(read, cfg.store.get(&self.id)).await {
+            let get = timed(self.flow.labels.store_call("get"), cfg.store.get(&self.id));
+            match bounded(read, get).await {
                 Ok(Some(r)) if matches!(r.state, RecordState::InProgress { lease_remaining } if !lease_remaining.is_zero()) =>
                     {}
                 // Completed, released, lapsed or a store error: claim again to find out.
@@ -613,7 +654,25 @@ impl Keyed {
     {
         tracing::Span::current().record("generation", token.generation());
         if takeover {
+            self.flow.labels.event("takeover");
             tracing::warn!(generation = token.generation(), "took over a claim whose lease lapsed; the earlier attempt may have done part of the work");
+            if let Some(hook) = &self.flow.cfg.on_abandoned {
+                // Generations grow by one per takeover.
+                let abandoned = crate::Abandoned {
+                    scope: self.scope.clone(),
+                    record: self.id,
+                    old_generation: token.generation().saturating_sub(1),
+                    new_generation: token.generation(),
+                    abandoned_for: None,
+                };
+                if let Err(panic) = std::panic::catch_unwind(AssertUnwindSafe(|| hook(&abandoned)))
+                {
+                    tracing::error!(
+                        panic = panic_message(&*panic),
+                        "the abandoned-key hook panicked; the request runs"
+                    );
+                }
+            }
         }
         let ctx = IdempotencyContext::new(
             self.flow.key.clone(),
@@ -635,12 +694,12 @@ impl Keyed {
         };
         match result {
             Err(panic) => {
-                outcome("released");
+                self.outcome("released");
                 let _ = tx.send(Err(panic));
                 self.release(&token, &lease).await;
             }
             Ok(Err(e)) => {
-                outcome("released");
+                self.outcome("released");
                 let _ = tx.send(Ok(Err(e)));
                 self.release(&token, &lease).await;
             }
@@ -661,17 +720,17 @@ impl Keyed {
         let cfg = &*self.flow.cfg;
         match work {
             Work::Unbuffered(RecordDecision::AlreadyRecorded, res) => {
-                outcome("executed");
+                self.outcome("executed");
                 let _ = tx.send(Ok(Ok(res)));
                 self.check_recorded_by_handler(token).await;
             }
             Work::Unbuffered(_, res) | Work::Failed(res) => {
-                outcome("released");
+                self.outcome("released");
                 let _ = tx.send(Ok(Ok(res)));
                 self.release(token, lease).await;
             }
             Work::TooLarge(res) => {
-                outcome("tombstoned");
+                self.outcome("tombstoned");
                 let tomb = Completion::Tombstone {
                     status: res.status(),
                 };
@@ -710,16 +769,16 @@ impl Keyed {
                 };
                 match decision {
                     RecordDecision::Record => {
-                        outcome("tombstoned");
+                        self.outcome("tombstoned");
                         self.complete(token, &Completion::Tombstone { status }, lease)
                             .await;
                     }
                     RecordDecision::Release => {
-                        outcome("released");
+                        self.outcome("released");
                         self.release(token, lease).await;
                     }
                     RecordDecision::AlreadyRecorded => {
-                        outcome("executed");
+                        self.outcome("executed");
                         self.check_recorded_by_handler(token).await;
                     }
                 }
@@ -733,7 +792,7 @@ impl Keyed {
                 let decision = match self.decide(parts.extensions.get().copied(), &info) {
                     Ok(d) => d,
                     Err(panic) => {
-                        outcome("released");
+                        self.outcome("released");
                         let _ = tx.send(Err(panic));
                         self.release(token, lease).await;
                         return;
@@ -741,26 +800,29 @@ impl Keyed {
                 };
                 match decision {
                     RecordDecision::Record => {
-                        outcome("executed");
+                        self.outcome("executed");
                         let stored = StoredResponse {
                             status: parts.status,
                             headers: cfg.recorded_headers(self.flow.grpc, &parts.headers),
                             body: data.clone(),
                             trailers: trailers.clone(),
                         };
+                        self.flow.labels.recorded_body(data.len());
                         self.complete(token, &Completion::Response(stored), lease)
                             .await;
+                        let mut parts = parts;
+                        self.publish_ttl(&mut parts.headers);
                         let res = Response::from_parts(parts, ResponseBody::full(data, trailers));
                         let _ = tx.send(Ok(Ok(res)));
                     }
                     RecordDecision::Release => {
-                        outcome("released");
+                        self.outcome("released");
                         let res = Response::from_parts(parts, ResponseBody::full(data, trailers));
                         let _ = tx.send(Ok(Ok(res)));
                         self.release(token, lease).await;
                     }
                     RecordDecision::AlreadyRecorded => {
-                        outcome("executed");
+                        self.outcome("executed");
                         let res = Response::from_parts(parts, ResponseBody::full(data, trailers));
                         let _ = tx.send(Ok(Ok(res)));
                         self.check_recorded_by_handler(token).await;
@@ -870,15 +932,17 @@ impl Keyed {
         let cfg = &*self.flow.cfg;
         let (store, ttl) = (&*cfg.store, cfg.retention.ttl());
         let result = retry_until(lease.end(), lease.timeout, || {
-            store.complete(&self.id, token, completion, ttl)
+            let call = store.complete(&self.id, token, completion, ttl);
+            timed(self.flow.labels.store_call("complete"), call)
         })
         .await;
         match result {
-            Ok(()) => {}
+            Ok(()) => self.flow.labels.event("recorded"),
             Err(e) if e.is_fenced() => {
                 if self.completed_by(token).await == Some(true) {
                     tracing::warn!("the handler completed the record itself; mark its response with RecordDecision::AlreadyRecorded so the layer does not try again");
                 } else {
+                    self.flow.labels.event("fenced");
                     tracing::error!(error = %Chain(&e), "idempotency record fenced: the lease lapsed and another attempt took over; this answer was not recorded");
                 }
             }
@@ -892,12 +956,16 @@ impl Keyed {
     async fn release(&self, token: &Token, lease: &Lease) {
         let store = &*self.flow.cfg.store;
         let result = retry_until(lease.end(), lease.timeout, || {
-            store.release(&self.id, token)
+            timed(
+                self.flow.labels.store_call("release"),
+                store.release(&self.id, token),
+            )
         })
         .await;
         match result {
             Ok(()) => {}
             Err(e) if e.is_fenced() => {
+                self.flow.labels.event("fenced");
                 tracing::error!(error = %Chain(&e), "idempotency release fenced: the lease lapsed and another attempt took over");
             }
             Err(e) => {
@@ -910,7 +978,8 @@ impl Keyed {
     async fn completed_by(&self, token: &Token) -> Option<bool> {
         let cfg = &*self.flow.cfg;
         let read = deadline(Instant::now(), cfg.retention.store_timeout());
-        match bounded(read, cfg.store.get(&self.id)).await {
+        let get = timed(self.flow.labels.store_call("get"), cfg.store.get(&self.id));
+        match bounded(read, get).await {
             Ok(Some(r)) => Some(
                 matches!(r.state, RecordState::Completed(_)) && r.generation == token.generation(),
             ),
@@ -936,11 +1005,13 @@ impl Keyed {
             tokio::time::sleep_until(lease.next_due()).await;
             let sent = Instant::now();
             let until = deadline(sent, lease.timeout);
-            match bounded(until, store.extend(&self.id, token, lease.length)).await {
+            let extend = store.extend(&self.id, token, lease.length);
+            match bounded(until, timed(self.flow.labels.store_call("extend"), extend)).await {
                 Ok(()) => lease.renewed(sent),
                 Err(e) if e.is_fenced() => {
                     // Completed by the handler's own transaction (AlreadyRecorded) is quiet.
                     if self.completed_by(token).await != Some(true) {
+                        self.flow.labels.event("fenced");
                         tracing::error!(error = %Chain(&e), "idempotency lease lost to another attempt; this run will not be recorded");
                     }
                     return std::future::pending().await;

@@ -52,6 +52,11 @@ impl<T: IdempotencyAdmin + ?Sized> IdempotencyAdmin for Arc<T> {
     }
 }
 
+/// A store with the operator API: `Arc<dyn AdminStore>` serves the layer (it upcasts to
+/// `Arc<dyn IdempotencyStore>`) and an admin endpoint alike.
+pub trait AdminStore: super::IdempotencyStore + IdempotencyAdmin {}
+impl<T: super::IdempotencyStore + IdempotencyAdmin + ?Sized> AdminStore for T {}
+
 /// What [`force_release`](IdempotencyAdmin::force_release) and
 /// [`delete`](IdempotencyAdmin::delete) did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

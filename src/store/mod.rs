@@ -201,7 +201,7 @@ use crate::record::{Completion, Fingerprint, Record, RecordId, Token};
 pub mod memory;
 
 mod admin;
-pub use admin::{IdempotencyAdmin, RecordInfo, RecordStatus, Removal};
+pub use admin::{AdminStore, IdempotencyAdmin, RecordInfo, RecordStatus, Removal};
 
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]

@@ -1,0 +1,146 @@
+//! Metrics through the [`metrics`](https://docs.rs/metrics) facade (feature `metrics`). Without
+//! the feature every call here is empty and `Labels` holds nothing.
+//!
+//! Names and labels are listed in docs/operations.md; keep the two in step.
+
+#[cfg(feature = "metrics")]
+use std::borrow::Cow;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::layer::Config;
+
+/// Keyed requests by how the layer answered them, one per request.
+#[cfg(feature = "metrics")]
+pub(crate) const REQUESTS: &str = "idempotency_requests_total";
+/// Store events beside the answer: `recorded`, `fenced`, `takeover`.
+#[cfg(feature = "metrics")]
+pub(crate) const EVENTS: &str = "idempotency_events_total";
+/// Seconds per store call, by store and operation (timeouts included, at their deadline).
+#[cfg(feature = "metrics")]
+pub(crate) const STORE_DURATION: &str = "idempotency_store_duration_seconds";
+/// Bytes of each recorded answer body.
+#[cfg(feature = "metrics")]
+pub(crate) const RECORDED_BODY: &str = "idempotency_recorded_body_bytes";
+/// Seconds a request spent waiting for another attempt (wait mode), per wait.
+#[cfg(feature = "metrics")]
+pub(crate) const WAIT_DURATION: &str = "idempotency_wait_seconds";
+
+/// The labels of one keyed request: route, protocol and store.
+#[derive(Clone, Debug)]
+pub(crate) struct Labels {
+    #[cfg(feature = "metrics")]
+    route: Cow<'static, str>,
+    #[cfg(feature = "metrics")]
+    protocol: &'static str,
+    #[cfg(feature = "metrics")]
+    store: &'static str,
+}
+
+impl Labels {
+    /// The route is axum's `MatchedPath` when present (feature `axum`), else the configured
+    /// gRPC method pattern the path matched, else the layer's route label: never the raw
+    /// path, which a client could fill with unbounded values.
+    #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+    pub(crate) fn new(cfg: &Config, ext: &http::Extensions, path: &str, grpc: bool) -> Self {
+        #[cfg(feature = "metrics")]
+        {
+            let route = matched_path(ext)
+                .or_else(|| {
+                    grpc.then(|| cfg.grpc_pattern(path))
+                        .flatten()
+                        .map(|p| Cow::Owned(p.to_owned()))
+                })
+                .unwrap_or_else(|| cfg.route_label.clone());
+            Self {
+                route,
+                protocol: if grpc { "grpc" } else { "http" },
+                store: cfg.store.name(),
+            }
+        }
+        #[cfg(not(feature = "metrics"))]
+        Self {}
+    }
+
+    /// Counts one keyed request by its answer.
+    pub(crate) fn outcome(&self, outcome: &'static str) {
+        #[cfg(feature = "metrics")]
+        metrics::counter!(REQUESTS, "outcome" => outcome, "route" => self.route.clone(),
+            "protocol" => self.protocol, "store" => self.store)
+        .increment(1);
+        let _ = outcome;
+    }
+
+    /// Counts a store event: `recorded`, `fenced` or `takeover`.
+    pub(crate) fn event(&self, event: &'static str) {
+        #[cfg(feature = "metrics")]
+        metrics::counter!(EVENTS, "event" => event, "route" => self.route.clone(),
+            "protocol" => self.protocol, "store" => self.store)
+        .increment(1);
+        let _ = event;
+    }
+
+    pub(crate) fn recorded_body(&self, bytes: usize) {
+        #[cfg(feature = "metrics")]
+        metrics::histogram!(RECORDED_BODY, "route" => self.route.clone(),
+            "protocol" => self.protocol, "store" => self.store)
+        .record(bytes as f64);
+        let _ = bytes;
+    }
+
+    pub(crate) fn waited(&self, d: Duration) {
+        #[cfg(feature = "metrics")]
+        metrics::histogram!(WAIT_DURATION, "route" => self.route.clone(),
+            "protocol" => self.protocol, "store" => self.store)
+        .record(d.as_secs_f64());
+        let _ = d;
+    }
+
+    /// Times one store call: recorded when the guard drops, so a call abandoned at its
+    /// deadline counts too (by the time it was given).
+    pub(crate) fn store_call(&self, operation: &'static str) -> StoreTimer {
+        StoreTimer {
+            #[cfg(feature = "metrics")]
+            store: self.store,
+            operation,
+            start: Instant::now(),
+        }
+    }
+}
+
+#[cfg(all(feature = "metrics", feature = "axum"))]
+fn matched_path(ext: &http::Extensions) -> Option<Cow<'static, str>> {
+    ext.get::<::axum::extract::MatchedPath>()
+        .map(|m| Cow::Owned(m.as_str().to_owned()))
+}
+
+#[cfg(all(feature = "metrics", not(feature = "axum")))]
+fn matched_path(_: &http::Extensions) -> Option<Cow<'static, str>> {
+    None
+}
+
+/// Records one store call's duration when dropped.
+#[derive(Debug)]
+pub(crate) struct StoreTimer {
+    #[cfg(feature = "metrics")]
+    store: &'static str,
+    operation: &'static str,
+    start: Instant,
+}
+
+impl Drop for StoreTimer {
+    fn drop(&mut self) {
+        #[cfg(feature = "metrics")]
+        metrics::histogram!(STORE_DURATION, "store" => self.store, "operation" => self.operation)
+            .record(self.start.elapsed().as_secs_f64());
+        let _ = (self.operation, self.start);
+    }
+}
+
+/// Runs `call` under a [`StoreTimer`].
+pub(crate) async fn timed<T>(timer: StoreTimer, call: impl std::future::Future<Output = T>) -> T {
+    let out = call.await;
+    drop(timer);
+    out
+}
