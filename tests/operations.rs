@@ -26,9 +26,11 @@ use tower_idempotency::{Abandoned, IdempotencyLayer, RecordId, Retention};
 /// recorder, so reads accumulate here, shared by all tests.
 struct Metrics {
     snapshotter: Snapshotter,
-    /// (kind, name, sorted labels) -> counter total, or every histogram value.
-    seen: Mutex<HashMap<(MetricKind, String, Vec<(String, String)>), Seen>>,
+    seen: Mutex<HashMap<SeriesKey, Seen>>,
 }
+
+/// (kind, name, sorted labels): one series.
+type SeriesKey = (MetricKind, String, Vec<(String, String)>);
 
 #[derive(Debug, Clone, Default)]
 struct Seen {
@@ -365,7 +367,7 @@ async fn time_spent_waiting_is_recorded() {
 async fn the_ttl_header_is_sent_on_recorded_answers_and_replays_only_when_enabled() {
     let retention = Retention::new(Duration::from_secs(30), Duration::from_secs(7200)).unwrap();
     let layer = IdempotencyLayer::new(MemoryStore::new())
-        .with_retention(retention.clone())
+        .with_retention(retention)
         .with_ttl_header(true);
     let app = router("/t", layer, 201, None);
     let first = send(&app, pay("/t", Some("t"), "{}")).await;

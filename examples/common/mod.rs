@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tower_idempotency::store::{IdempotencyStore, MemoryStore};
+use tower_idempotency::store::{AdminStore, MemoryStore};
 use tower_idempotency::Retention;
 
 pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -59,8 +59,9 @@ pub(crate) fn settings_from_env() -> Result<(Duration, Retention), BoxError> {
 }
 
 /// The store `IDEMPOTENCY_STORE` names: unset or `memory`, `redis://…` (feature `redis`) or
-/// `postgres://…` (feature `postgres`, migrated on start).
-pub(crate) async fn store_from_env() -> Result<Arc<dyn IdempotencyStore>, BoxError> {
+/// `postgres://…` (feature `postgres`, migrated on start). With the operator API, for the
+/// shop's admin routes.
+pub(crate) async fn store_from_env() -> Result<Arc<dyn AdminStore>, BoxError> {
     let url = std::env::var("IDEMPOTENCY_STORE").unwrap_or_default();
     if url.is_empty() || url == "memory" {
         return Ok(Arc::new(MemoryStore::new()));

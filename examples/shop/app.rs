@@ -54,6 +54,19 @@ pub(crate) fn app(store: Arc<dyn IdempotencyStore>, config: ShopConfig) -> (Rout
         .with_scope(|req| {
             let key = req.headers.get("x-api-key").and_then(|v| v.to_str().ok());
             Some(key.map_or_else(|| "anonymous".to_owned(), |k| format!("api-key:{k}")))
+        })
+        // Tell clients how long keys live (`Idempotency-Key-TTL`).
+        .with_ttl_header(true)
+        // A payment whose first attempt died mid-charge: check the card network before
+        // charging again. The record id stands for the key, which is never logged.
+        .with_abandoned_hook(|a| {
+            tracing::warn!(
+                record = %a.record.to_hex(),
+                old_generation = a.old_generation,
+                new_generation = a.new_generation,
+                abandoned_for = ?a.abandoned_for,
+                "payment key abandoned by an earlier attempt: reconcile with the card network"
+            );
         });
     let router = Router::new()
         .route("/v1/payments", post(create_payment))

@@ -4,7 +4,10 @@
 //! `IDEMPOTENCY_STORE` picks the store: unset or `memory` for the in-memory store,
 //! `redis://…` (feature `redis`) or `postgres://…` (feature `postgres`).
 //! `CARD_LATENCY_MS`, `IDEMPOTENCY_LEASE_MS` and `IDEMPOTENCY_TTL_SECS` tune it.
+//! `ADMIN_TOKEN` mounts the admin routes (`/admin/idempotency/{scope}/{key}`) behind that
+//! bearer token; `--features metrics,axum` serves `GET /metrics` (Prometheus).
 
+mod admin;
 mod app;
 #[path = "../common/mod.rs"]
 mod common;
@@ -21,8 +24,13 @@ async fn run() -> Result<(), common::BoxError> {
         card_latency,
         retention,
     };
+    #[cfg(feature = "metrics")]
+    let metrics = metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder()?;
     let store = common::store_from_env().await?;
-    let (router, _shop) = app::app(store, config);
+    let (router, _shop) = app::app(store.clone(), config);
+    #[cfg(feature = "metrics")]
+    let router = router.merge(admin::metrics_router(metrics));
+    let router = admin::mount_admin(router, store, std::env::var("ADMIN_TOKEN").ok());
     let addr = std::env::var("SHOP_ADDR").unwrap_or_else(|_| "127.0.0.1:3000".into());
     let listener = tokio::net::TcpListener::bind(&addr).await?;
     tracing::info!("shop listening on http://{addr}");
