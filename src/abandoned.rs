@@ -22,9 +22,9 @@ pub struct Abandoned {
     /// The generation of the claim that took over (this request).
     pub new_generation: u64,
     /// How long the key had been abandoned: from when the lapsed lease ended to the
-    /// takeover, by the store's clock. `None` when the store does not say; the claim
-    /// contract does not report it yet, so the built-in stores answer `None`, and the key
-    /// was then abandoned for somewhere between zero and the retention TTL. The holder
-    /// went quiet at least one lease before the lease ended.
+    /// takeover, by the store's clock ([`Claim::lapsed_for`](crate::store::Claim::lapsed_for)).
+    /// The holder's last renewal was about one lease before that. `None` when the store
+    /// cannot tell: a custom store that does not say, or a takeover whose reply was lost and
+    /// read back. It is then somewhere between zero and the retention TTL.
     pub abandoned_for: Option<Duration>,
 }

@@ -241,6 +241,13 @@ pub async fn lapsed_lease_is_taken_over_with_a_greater_generation(store: DynStor
         ClaimOutcome::Claimed(c) => {
             assert!(c.takeover);
             assert!(c.token.generation() > old.generation());
+            // Optional: a store that tells how long the lease had lapsed must be right.
+            if let Some(lapsed) = c.lapsed_for {
+                assert!(
+                    lapsed >= Duration::from_millis(200) && lapsed < Duration::from_secs(30),
+                    "lapsed_for {lapsed:?}: the lease lapsed about 250 ms before"
+                );
+            }
             c.token
         }
         other => panic!("expected a takeover, got {other:?}"),

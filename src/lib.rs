@@ -188,6 +188,15 @@
 //! | `client` | no | `client`: the retry layer for clients, with `tower`'s retry and `httpdate` |
 //! | `axum` | no | [`IdempotencyContext`] as an axum extractor, and fingerprints of the path the client sent inside nested routers |
 //! | `conformance` | no | `conformance`: the store conformance suite, to test a custom store |
+//! | `metrics` | no | counters and histograms through the `metrics` facade (0.24): outcomes, store latency, body sizes, waits; names in `docs/operations.md` |
+//!
+//! # Operations
+//!
+//! [`store::IdempotencyAdmin`] looks a key up and frees or deletes it by hand; every store
+//! here implements it. [`IdempotencyLayer::with_abandoned_hook`] hears about keys taken over
+//! from a holder that died, and [`IdempotencyLayer::with_ttl_header`] publishes how long keys
+//! live. The run book (sizing, Redis and Postgres settings, tuning, alerts) is
+//! `docs/operations.md` in the repository.
 //!
 //! # What "exactly once" means here
 //!

@@ -645,7 +645,11 @@ impl Keyed {
         mut inner: S,
         mut parts: request::Parts,
         bytes: Bytes,
-        Claim { token, takeover }: Claim,
+        Claim {
+            token,
+            takeover,
+            lapsed_for,
+        }: Claim,
         lease: Lease,
         tx: tokio::sync::oneshot::Sender<Delivery<ResB, S::Error>>,
     ) where
@@ -663,7 +667,7 @@ impl Keyed {
                     record: self.id,
                     old_generation: token.generation().saturating_sub(1),
                     new_generation: token.generation(),
-                    abandoned_for: None,
+                    abandoned_for: lapsed_for,
                 };
                 if let Err(panic) = std::panic::catch_unwind(AssertUnwindSafe(|| hook(&abandoned)))
                 {

@@ -4,6 +4,7 @@
 //! One recorder serves the whole binary; each test uses its own route label (and so its
 //! own series), so tests running in parallel do not see each other's counts.
 
+mod common;
 mod support;
 
 use std::collections::HashMap;
@@ -145,6 +146,72 @@ fn router(path: &str, layer: IdempotencyLayer, status: u16, gate: Option<Arc<Not
             }),
         )
         .layer(layer)
+}
+
+/// Claims with a 300 ms lease, lets it lapse by about 400 ms, and takes over: the store
+/// reports the lapse by its own clock.
+async fn takeover_reports_how_long_the_lease_had_lapsed(store: &dyn IdempotencyStore) {
+    let id = RecordId::new(
+        Some("operations-lapse"),
+        &format!("{:?}", std::time::SystemTime::now()),
+    );
+    let fp = tower_idempotency::Fingerprint::from_bytes([9; 32]);
+    let lease = Duration::from_millis(300);
+    let first = store
+        .claim(&id, &fp, lease, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert!(matches!(first, ClaimOutcome::Claimed(c) if c.lapsed_for.is_none()));
+    tokio::time::sleep(lease + Duration::from_millis(400)).await;
+    match store
+        .claim(&id, &fp, lease, Duration::from_secs(60))
+        .await
+        .unwrap()
+    {
+        ClaimOutcome::Claimed(c) => {
+            assert!(c.takeover);
+            let lapsed = c.lapsed_for.expect("the store knows when the lease ended");
+            assert!(
+                lapsed >= Duration::from_millis(350) && lapsed < Duration::from_secs(5),
+                "{lapsed:?}"
+            );
+        }
+        other @ ClaimOutcome::Existing(_) => panic!("expected a takeover, got {other:?}"),
+    }
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn redis_takeovers_report_the_lapse() {
+    let Some(url) = common::backend_url("IDEMPOTENCY_TEST_REDIS_URL") else {
+        return;
+    };
+    let store = tower_idempotency::store::redis::RedisStore::builder()
+        .with_key_prefix("tidem-operations:")
+        .connect(&url)
+        .await
+        .unwrap();
+    takeover_reports_how_long_the_lease_had_lapsed(&store).await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn postgres_takeovers_report_the_lapse() {
+    let Some(url) = common::backend_url("IDEMPOTENCY_TEST_POSTGRES_URL") else {
+        return;
+    };
+    let store = tower_idempotency::store::postgres::PostgresStore::connect(&url)
+        .await
+        .unwrap()
+        .with_table("tidem_operations")
+        .unwrap();
+    store.migrate().await.unwrap();
+    takeover_reports_how_long_the_lease_had_lapsed(&store).await;
+}
+
+#[tokio::test]
+async fn memory_takeovers_report_the_lapse() {
+    takeover_reports_how_long_the_lease_had_lapsed(&MemoryStore::new()).await;
 }
 
 /// Returns once `id` has a record (the first request holds its claim).
@@ -304,6 +371,8 @@ async fn a_takeover_calls_the_abandoned_hook_and_is_counted() {
     assert_eq!(a.scope.as_deref(), Some("tenant-7"));
     assert_eq!(a.record, id);
     assert_eq!((a.old_generation, a.new_generation), (1, 2));
+    // Paused time: the lease lapsed exactly 1 ms before the takeover.
+    assert_eq!(a.abandoned_for, Some(Duration::from_millis(1)));
     assert_eq!(events(route, "takeover"), 1);
     assert_eq!(outcomes(route, "executed"), 2);
 }

@@ -338,12 +338,14 @@ impl MemoryStore {
                 if lapsed && e.fingerprint == *fingerprint {
                     let token = Token::generate(e.token.generation() + 1)?;
                     let lease_until = after(now, lease);
+                    let lapsed_for = Some(now.duration_since(e.lease_until));
                     e.token = token;
                     e.lease_until = lease_until;
                     e.expires_at = e.expires_at.max(lease_until);
                     return Ok(Some(ClaimOutcome::Claimed(Claim {
                         token,
                         takeover: true,
+                        lapsed_for,
                     })));
                 }
                 return Ok(Some(ClaimOutcome::Existing(e.record(now))));
@@ -391,6 +393,7 @@ impl MemoryStore {
         Ok(Some(ClaimOutcome::Claimed(Claim {
             token,
             takeover: false,
+            lapsed_for: None,
         })))
     }
 }

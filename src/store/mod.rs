@@ -107,9 +107,10 @@
 //!             }
 //!             // Takeover: the same request, and its holder went quiet for a whole lease.
 //!             e.token = Token::generate(e.token.generation() + 1)?;
+//!             let lapsed_for = Some(now.duration_since(e.lease_until));
 //!             e.lease_until = after(now, lease);
 //!             e.expires_at = e.expires_at.max(e.lease_until);
-//!             return Ok(ClaimOutcome::Claimed(Claim { token: e.token, takeover: true }));
+//!             return Ok(ClaimOutcome::Claimed(Claim { token: e.token, takeover: true, lapsed_for }));
 //!         }
 //!         // A failed OS random source fails the claim; never use a fixed nonce.
 //!         let token = Token::generate(1)?;
@@ -122,7 +123,7 @@
 //!             done: None,
 //!         };
 //!         map.insert(*id, entry);
-//!         Ok(ClaimOutcome::Claimed(Claim { token, takeover: false }))
+//!         Ok(ClaimOutcome::Claimed(Claim { token, takeover: false, lapsed_for: None }))
 //!     }
 //!
 //!     async fn extend(&self, id: &RecordId, token: &Token, lease: Duration) -> Result<(), StoreError> {
@@ -235,6 +236,9 @@ pub struct Claim {
     pub token: Token,
     /// `true` when this claim took over an in-progress record whose lease had lapsed.
     pub takeover: bool,
+    /// On a takeover, how long the old lease had been lapsed, by the store's clock: how long
+    /// the key was abandoned. `None` on a first claim, or when the store cannot tell.
+    pub lapsed_for: Option<Duration>,
 }
 
 /// The kind of a [`StoreError`].

@@ -528,14 +528,20 @@ impl Sql {
                  SELECT {INSERTED}::smallint AS outcome, generation, NULL::bytea AS nonce,
                         NULL::bytea AS fingerprint, NULL::smallint AS state,
                         NULL::bigint AS lease_us, NULL::smallint AS status,
-                        NULL::bytea AS headers, NULL::bytea AS body, NULL::bytea AS trailers
+                        NULL::bytea AS headers, NULL::bytea AS body, NULL::bytea AS trailers,
+                        NULL::bigint AS lapsed_us
                    FROM ins
                  UNION ALL
-                 SELECT {UPDATED}::smallint, generation, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+                 -- How long the replaced lease had lapsed: the subquery reads the row as the
+                 -- statement's snapshot saw it, before the update.
+                 SELECT {UPDATED}::smallint, generation, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+                        (SELECT GREATEST(0, EXTRACT(EPOCH FROM
+                                    (clock_timestamp() - o.locked_until)) * 1000000)::bigint
+                           FROM {t} AS o WHERE o.id = $1)
                    FROM upd
                  UNION ALL
                  SELECT {EXISTING}::smallint, generation, nonce, fingerprint, state, lease_us, status,
-                        headers, body, trailers
+                        headers, body, trailers, NULL
                    FROM cur"
             ),
             // $1 id, $2 generation, $3 nonce, $4 lease µs.
@@ -918,15 +924,21 @@ fn decode_claim(
         return Ok(None);
     };
     let generation = generation(row)?;
-    let claimed = |generation: u64| {
+    let claimed = |generation: u64, lapsed_for: Option<Duration>| {
         // A new or replaced record starts at generation 1; a takeover is always above it.
+        let takeover = generation > 1;
         Ok(Some(ClaimOutcome::Claimed(Claim {
             token: Token::from_parts(generation, *nonce),
-            takeover: generation > 1,
+            takeover,
+            lapsed_for: lapsed_for.filter(|_| takeover),
         })))
     };
     match outcome {
-        INSERTED | UPDATED => claimed(generation),
+        INSERTED | UPDATED => {
+            let lapsed_us: Option<i64> = column(row, "lapsed_us")?;
+            let lapsed = lapsed_us.map(|us| Duration::from_micros(u64::try_from(us).unwrap_or(0)));
+            claimed(generation, lapsed)
+        }
         EXISTING => {
             let held: Vec<u8> = column(row, "nonce")?;
             let state: i16 = column(row, "state")?;
@@ -937,7 +949,8 @@ fn decode_claim(
                 && held.as_slice() == nonce.as_slice()
                 && record.fingerprint == *fingerprint
             {
-                return claimed(generation);
+                // Read back after a lost reply: the lapse is no longer known.
+                return claimed(generation, None);
             }
             Ok(Some(ClaimOutcome::Existing(record)))
         }

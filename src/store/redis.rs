@@ -191,7 +191,8 @@ end
 // KEYS[1] record; ARGV: fingerprint, nonce, lease ms, ttl ms, format.
 // Reads before it writes: under OOM Redis refuses a script's first write, not the script, so
 // an existing record still comes back when Redis is full.
-// Replies {0, generation} when this nonce holds the claim, or {1, <read>} for someone else's.
+// Replies {0, generation} when this nonce holds the claim ({0, generation, ms the old lease
+// had lapsed} on a takeover), or {1, <read>} for someone else's.
 const CLAIM: &str = r"
 local key, fp, nonce = KEYS[1], ARGV[1], ARGV[2]
 local lease, ttl = tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -209,7 +210,7 @@ if r[1] then
       local g = tonumber(r[3]) + 1
       redis.call('HSET', key, 'g', int(g), 'n', nonce, 'l', int(now + lease))
       if redis.call('PTTL', key) < lease then redis.call('PEXPIRE', key, int(lease)) end
-      return {0, g}
+      return {0, g, int(now - tonumber(r[5]))}
     end
   end
   local out = read(r, now, nonce)
@@ -1186,7 +1187,12 @@ fn parse_claim(v: Value, nonce: [u8; 16]) -> Result<ClaimOutcome, StoreError> {
                 .and_then(int_of)
                 .and_then(|n| u64::try_from(n).ok())
                 .ok_or_else(|| corrupt("claimed generation is not a number"))?;
-            Ok(claimed(generation, nonce))
+            // A takeover also says how long the old lease had lapsed.
+            let lapsed_for = items
+                .get(1)
+                .and_then(int_of)
+                .map(|ms| Duration::from_millis(u64::try_from(ms).unwrap_or(0)));
+            Ok(claimed(generation, nonce, lapsed_for))
         }
         Some(1) => Ok(ClaimOutcome::Existing(parse_found(items)?.record)),
         _ => Err(corrupt("claim reply tag")),
@@ -1195,10 +1201,11 @@ fn parse_claim(v: Value, nonce: [u8; 16]) -> Result<ClaimOutcome, StoreError> {
 
 /// A claim this store's nonce holds. Every fresh record starts at generation 1, so a higher
 /// one was a takeover.
-fn claimed(generation: u64, nonce: [u8; 16]) -> ClaimOutcome {
+fn claimed(generation: u64, nonce: [u8; 16], lapsed_for: Option<Duration>) -> ClaimOutcome {
     ClaimOutcome::Claimed(Claim {
         token: Token::from_parts(generation, nonce),
         takeover: generation > 1,
+        lapsed_for,
     })
 }
 
@@ -1235,7 +1242,8 @@ impl IdempotencyStore for RedisStore {
                             && !found.completed()
                             && found.record.fingerprint == *fingerprint =>
                     {
-                        claimed(found.record.generation, nonce)
+                        // Read back after a lost reply: the lapse is no longer known.
+                        claimed(found.record.generation, nonce, None)
                     }
                     Ok(Some(found)) => ClaimOutcome::Existing(found.record),
                     // The claim never arrived (the read went after it on the same
