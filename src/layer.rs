@@ -12,7 +12,6 @@ use tower_layer::Layer;
 use crate::error::{ConfigError, IdempotencyError};
 use crate::fingerprint::{FingerprintConfig, JsonPointer};
 use crate::policy::{DefaultRecordPolicy, RecordPolicy};
-use crate::response::default_recorded_headers;
 use crate::service::Idempotency;
 use crate::store::IdempotencyStore;
 
@@ -112,6 +111,18 @@ impl Default for Retention {
 }
 
 pub(crate) type ScopeFn = Arc<dyn Fn(&request::Parts) -> Option<String> + Send + Sync>;
+
+/// Where keys live: per scope, in one shared key space (an explicit choice), or not chosen yet.
+#[derive(Clone)]
+pub(crate) enum Scope {
+    /// Neither [`IdempotencyLayer::with_scope`] nor [`IdempotencyLayer::unscoped`] was called:
+    /// keyed requests are refused (500 scope-missing) rather than share one key space.
+    Unset,
+    /// [`IdempotencyLayer::unscoped`]: every caller shares one key space.
+    Unscoped,
+    /// [`IdempotencyLayer::with_scope`].
+    Fn(ScopeFn),
+}
 pub(crate) type Renderer = Arc<dyn Fn(&IdempotencyError) -> Response<Bytes> + Send + Sync>;
 
 #[derive(Clone)]
@@ -120,18 +131,19 @@ pub(crate) struct Config {
     pub(crate) header: HeaderName,
     pub(crate) methods: Vec<Method>,
     pub(crate) key_required: bool,
-    pub(crate) scope: Option<ScopeFn>,
+    pub(crate) scope: Scope,
     pub(crate) max_request_body: usize,
     pub(crate) max_response_body: usize,
     pub(crate) retention: Retention,
     pub(crate) fingerprint: FingerprintConfig,
-    pub(crate) recorded_headers: Vec<HeaderName>,
+    pub(crate) unrecorded_headers: Vec<HeaderName>,
     pub(crate) policy: Arc<dyn RecordPolicy>,
     pub(crate) fail_open: bool,
     pub(crate) release_on_no_store: bool,
     pub(crate) wait: Option<Duration>,
     pub(crate) renderer: Option<Renderer>,
     pub(crate) max_grpc_request_body: usize,
+    pub(crate) grpc: bool,
     pub(crate) grpc_methods: Option<Vec<String>>,
     pub(crate) grpc_passthrough: Vec<String>,
 }
@@ -186,7 +198,7 @@ impl fmt::Debug for IdempotencyLayer {
             .field("header", &c.header)
             .field("methods", &c.methods)
             .field("key_required", &c.key_required)
-            .field("scoped", &c.scope.is_some())
+            .field("scoped", &matches!(c.scope, Scope::Fn(_)))
             .field("max_request_body", &c.max_request_body)
             .field("max_response_body", &c.max_response_body)
             .field("retention", &c.retention)
@@ -198,9 +210,9 @@ impl fmt::Debug for IdempotencyLayer {
 
 impl IdempotencyLayer {
     /// A layer over `store` with the defaults: `Idempotency-Key` required on `POST` and
-    /// `PATCH` and on every gRPC method (except health checks and reflection), unscoped,
-    /// 1 MiB request and response limits (4 MiB for gRPC requests), a 30 s lease, 24 h
-    /// retention, fail closed, answer 409 (gRPC `ABORTED`) while in progress.
+    /// `PATCH`, no scope chosen yet (choose with [`with_scope`](Self::with_scope)), HTTP
+    /// only (gRPC with [`with_grpc`](Self::with_grpc)), 1 MiB request and response limits,
+    /// a 30 s lease, 24 h retention, fail closed, answer 409 while in progress.
     pub fn new(store: impl IdempotencyStore) -> Self {
         Self::from_arc(Arc::new(store))
     }
@@ -213,18 +225,19 @@ impl IdempotencyLayer {
                 header: HeaderName::from_static("idempotency-key"),
                 methods: vec![Method::POST, Method::PATCH],
                 key_required: true,
-                scope: None,
+                scope: Scope::Unset,
                 max_request_body: 1 << 20,
                 max_response_body: 1 << 20,
                 retention: Retention::default(),
                 fingerprint: FingerprintConfig::default(),
-                recorded_headers: default_recorded_headers(),
+                unrecorded_headers: Vec::new(),
                 policy: Arc::new(DefaultRecordPolicy),
                 fail_open: false,
                 release_on_no_store: false,
                 wait: None,
                 renderer: None,
                 max_grpc_request_body: 4 << 20,
+                grpc: false,
                 grpc_methods: None,
                 grpc_passthrough: DEFAULT_GRPC_PASSTHROUGH.map(String::from).to_vec(),
             }),
@@ -254,9 +267,15 @@ impl IdempotencyLayer {
 
     /// Scopes keys, so that the same key from two scopes names two records.
     ///
-    /// `scope` reads the request head: a tenant or principal an auth layer put into the
-    /// extensions, or a header. Without a scope function every caller shares one key space:
-    /// one client's key can then collide with, and replay, another's answer.
+    /// Every layer needs a scope function, or an explicit [`unscoped`](Self::unscoped):
+    /// until one is chosen, keyed requests are refused with 500
+    /// ([`ErrorKind::ScopeMissing`](crate::ErrorKind::ScopeMissing)) and nothing runs.
+    ///
+    /// `scope` reads the request head: the principal an auth layer (placed outside this one)
+    /// put into the extensions. The scope is who may see a recorded answer: a retry with the
+    /// same key in the same scope gets the first answer, whoever sends it. Scope by the
+    /// principal that may read the answer (a user, or a tenant if every user of a tenant may),
+    /// never by an unauthenticated header. See [security](crate::security).
     ///
     /// When `scope` returns `None` the layer answers 500 ([`ErrorKind::ScopeMissing`](crate::ErrorKind::ScopeMissing))
     /// and runs nothing: that means the layer runs before the one that sets the scope.
@@ -264,7 +283,18 @@ impl IdempotencyLayer {
     where
         F: Fn(&request::Parts) -> Option<String> + Send + Sync + 'static,
     {
-        self.edit(|c| c.scope = Some(Arc::new(scope)))
+        self.edit(|c| c.scope = Scope::Fn(Arc::new(scope)))
+    }
+
+    /// Shares one key space among all callers, on purpose: a service with a single trusted
+    /// caller, or one where every caller may see every answer.
+    ///
+    /// Anyone who sends a key another caller used gets that caller's answer replayed (or
+    /// learns, from a 422, that the key exists), and can claim a key first to make another
+    /// caller's request fail. Logs a warning once, here. Prefer [`with_scope`](Self::with_scope).
+    pub fn unscoped(self) -> Self {
+        tracing::warn!("idempotency layer built unscoped: every caller shares one key space and can replay another's answer; use with_scope to separate callers");
+        self.edit(|c| c.scope = Scope::Unscoped)
     }
 
     /// The largest request body buffered for fingerprinting (default 1 MiB); larger: 413.
@@ -302,14 +332,18 @@ impl IdempotencyLayer {
         self.edit(|c| c.fingerprint.headers.push(name))
     }
 
-    /// Records and replays `name` too, beyond the default allow-list.
+    /// Leaves the response header or trailer `name` out of every record, so replays do not
+    /// carry it (a per-response id, a timing header, anything that names the first caller).
     ///
-    /// HTTP only: a gRPC record keeps every response header but the connection's own, see
-    /// the [tonic guide](crate::tonic_guide#recording-and-replay).
-    pub fn with_recorded_header(self, name: HeaderName) -> Self {
+    /// A record keeps every response header and trailer, on HTTP and gRPC alike, except the
+    /// connection's own (`connection`, `keep-alive`, `proxy-connection`, `transfer-encoding`,
+    /// `upgrade`, `te`, `trailer`), `content-length`, `date`, `set-cookie` and the names
+    /// given here. `Set-Cookie` is never recorded: a replay would hand one caller's session
+    /// to whoever retries with the key.
+    pub fn with_unrecorded_header(self, name: HeaderName) -> Self {
         self.edit(|c| {
-            if !c.recorded_headers.contains(&name) {
-                c.recorded_headers.push(name);
+            if !c.unrecorded_headers.contains(&name) {
+                c.unrecorded_headers.push(name);
             }
         })
     }
@@ -357,7 +391,20 @@ impl IdempotencyLayer {
         self.edit(|c| c.renderer = Some(Arc::new(render)))
     }
 
+    /// Serves gRPC: requests with a gRPC `Content-Type` are handled as gRPC (every method
+    /// protected but health checks and reflection, a 4 MiB request limit, errors as gRPC
+    /// statuses, answers recorded on `grpc-status`).
+    ///
+    /// Off by default: the client's `Content-Type` alone never switches a route to gRPC
+    /// handling, so an HTTP API cannot be made to skip its method check or take larger
+    /// bodies by a client claiming to speak gRPC. Without it a gRPC request is handled as
+    /// HTTP. In gRPC mode only `POST` (all gRPC calls) is protected.
+    pub fn with_grpc(self) -> Self {
+        self.edit(|c| c.grpc = true)
+    }
+
     /// Protects only these gRPC methods; every other gRPC request passes through untouched.
+    /// Turns gRPC handling on, as [`with_grpc`](Self::with_grpc) does.
     ///
     /// By default every gRPC method is protected (except the passthrough list). The layer
     /// cannot tell a unary method from a streaming one on the wire, so a service with
@@ -370,7 +417,10 @@ impl IdempotencyLayer {
         P: Into<String>,
     {
         let paths = paths.into_iter().map(Into::into).collect();
-        self.edit(|c| c.grpc_methods = Some(paths))
+        self.edit(|c| {
+            c.grpc = true;
+            c.grpc_methods = Some(paths);
+        })
     }
 
     /// Lets a gRPC method (`/package.Service/Method`), or a whole service (`/package.Service/`,

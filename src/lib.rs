@@ -40,14 +40,23 @@
 //!     *res.status_mut() = StatusCode::CREATED;
 //!     Ok::<_, Infallible>(res)
 //! });
+//! // Who is calling: an authentication layer outside this one puts it into the extensions.
+//! #[derive(Clone)]
+//! struct Principal(String);
+//!
 //! let svc = ServiceBuilder::new()
-//!     .layer(IdempotencyLayer::new(MemoryStore::new()))
+//!     .layer(
+//!         IdempotencyLayer::new(MemoryStore::new())
+//!             // One key space per principal: nobody else can replay its answers.
+//!             .with_scope(|req| req.extensions.get::<Principal>().map(|p| p.0.clone())),
+//!     )
 //!     .service(charge);
 //!
 //! let request = || {
 //!     Request::post("/v1/payments")
 //!         .header("idempotency-key", "order-1234-attempt")
 //!         .header("content-type", "application/json")
+//!         .extension(Principal("alice".into()))
 //!         .body(Full::new(Bytes::from(r#"{"amount":1000,"currency":"EUR"}"#)))
 //!         .unwrap()
 //! };
@@ -105,7 +114,8 @@
 //! # Where to put the layer
 //!
 //! - **Inside authentication**, so that the scope function can read the principal from the
-//!   request extensions. Without a scope every caller shares one key space.
+//!   request extensions. A layer needs a scope ([`IdempotencyLayer::with_scope`]) or an
+//!   explicit [`IdempotencyLayer::unscoped`]; with neither, keyed requests get 500.
 //! - **Inside compression** (`CompressionLayer` outside this layer), so that records hold the
 //!   identity body and each replay is compressed for the retry's own `Accept-Encoding`.
 //! - **Outside timeouts is fine**: a `TimeoutLayer` outside drops the response future, but the
@@ -182,7 +192,7 @@ pub use service::{Idempotency, ResponseFuture};
 /// | 422 | [`key-reused`](#key-reused) | the key was used with a different request (body, path, method) | `FAILED_PRECONDITION` |
 /// | 410 | [`response-not-retained`](#response-not-retained) | the original completed, but its response was too large to keep | `ALREADY_EXISTS` |
 /// | 503 | [`store-unavailable`](#store-unavailable) | the store failed; nothing ran; `Retry-After: 1` | `UNAVAILABLE` |
-/// | 500 | [`scope-missing`](#scope-missing) | the scope function found no scope | `INTERNAL` |
+/// | 500 | [`scope-missing`](#scope-missing) | no scope configured, or the scope function found none | `INTERNAL` |
 ///
 /// Every problem carries `type`, `title`, `status` and `detail`; `in-progress` and
 /// `store-unavailable` add `retry_after` (seconds), `response-not-retained` adds
@@ -215,8 +225,9 @@ pub use service::{Idempotency, ResponseFuture};
 /// The request was not processed. Retry after `Retry-After` seconds.
 ///
 /// # scope-missing
-/// A server configuration error: the idempotency layer runs before the layer that sets the
-/// scope (usually authentication).
+/// A server configuration error: the layer has no scope function (and was not made
+/// `unscoped()` on purpose), or it runs before the layer that sets the scope (usually
+/// authentication).
 pub mod problems {}
 
 #[doc = include_str!("docs/tonic.md")]

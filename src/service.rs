@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use futures_util::FutureExt;
-use http::{request, HeaderMap, Request, Response};
+use http::{request, HeaderMap, Method, Request, Response};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use pin_project_lite::pin_project;
@@ -24,7 +24,7 @@ use crate::context::IdempotencyContext;
 use crate::error::{ErrorKind, IdempotencyError};
 use crate::fingerprint::fingerprint;
 use crate::key;
-use crate::layer::Config;
+use crate::layer::{Config, Scope};
 use crate::policy::{decide, is_grpc, RecordDecision, ResponseInfo};
 use crate::record::{Completion, Fingerprint, RecordId, RecordState, StoredResponse, Token};
 use crate::response;
@@ -104,9 +104,10 @@ where
     fn call(&mut self, req: Request<ReqB>) -> Self::Future {
         let cfg = &self.config;
         // 1. Eligible? Anything else passes through: no buffering, no store call, no boxing.
-        let grpc = is_grpc(req.headers());
+        // gRPC handling is the configuration's choice, never the client's alone.
+        let grpc = is_grpc(req.headers()) && grpc_mode(cfg);
         let eligible = if grpc {
-            cfg.grpc_protected(req.uri().path())
+            req.method() == Method::POST && cfg.grpc_protected(req.uri().path())
         } else {
             cfg.methods.contains(req.method())
         };
@@ -140,6 +141,15 @@ where
         };
         ResponseFuture::flow(Box::pin(flow.run(inner, req)))
     }
+}
+
+/// Whether the layer serves gRPC; says once when a gRPC request meets a layer that does not.
+fn grpc_mode(cfg: &Config) -> bool {
+    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if !cfg.grpc && !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        tracing::warn!("a gRPC request reached an idempotency layer without with_grpc(); it is handled as HTTP");
+    }
+    cfg.grpc
 }
 
 /// Renders a layer-made error in the request's protocol. The user's renderer is for HTTP
@@ -217,8 +227,16 @@ impl Flow {
     {
         let (parts, body) = req.into_parts();
         let scope: Option<Arc<str>> = match &self.cfg.scope {
-            None => None,
-            Some(f) => match f(&parts) {
+            Scope::Unscoped => None,
+            Scope::Unset => {
+                tracing::error!("idempotency layer has no scope: call with_scope (or unscoped, to share one key space on purpose); keyed requests are refused");
+                let err = IdempotencyError::new(
+                    ErrorKind::ScopeMissing,
+                    "the request's idempotency scope could not be determined",
+                );
+                return Ok(self.error(err));
+            }
+            Scope::Fn(f) => match f(&parts) {
                 Some(s) => Some(s.into()),
                 None => {
                     tracing::error!("idempotency scope function returned None; is the layer ordered before auth?");
@@ -728,13 +746,14 @@ impl Keyed {
                         outcome("executed");
                         let stored = StoredResponse {
                             status: parts.status,
-                            headers: if self.flow.grpc {
-                                response::grpc_recorded_headers(&parts.headers)
-                            } else {
-                                response::recorded_headers(&parts.headers, &cfg.recorded_headers)
-                            },
+                            headers: response::recorded_headers(
+                                &parts.headers,
+                                &cfg.unrecorded_headers,
+                            ),
                             body: data.clone(),
-                            trailers: trailers.clone(),
+                            trailers: trailers
+                                .as_ref()
+                                .map(|t| response::recorded_headers(t, &cfg.unrecorded_headers)),
                         };
                         self.complete(token, &Completion::Response(stored), lease)
                             .await;

@@ -69,6 +69,7 @@ fn app(layer: IdempotencyLayer) -> (Router, Arc<AppState>) {
 
 fn default_app() -> (Router, Arc<AppState>) {
     app(IdempotencyLayer::new(MemoryStore::new())
+        .unscoped()
         .with_max_response_body(NonZeroUsize::new(4096).unwrap()))
 }
 
@@ -139,6 +140,7 @@ async fn key_errors_are_problem_json_and_reach_no_handler() {
 #[tokio::test]
 async fn oversized_bodies_are_413_by_length_and_by_stream() {
     let (router, state) = app(IdempotencyLayer::new(MemoryStore::new())
+        .unscoped()
         .with_max_request_body(NonZeroUsize::new(1024).unwrap()));
     let big = vec![b' '; 2048];
     let by_length = send(&router, req("/charge", Some("k"), big.clone())).await;
@@ -216,8 +218,9 @@ async fn a_body_over_the_record_limit_is_served_once_and_tombstoned() {
 
 #[tokio::test]
 async fn a_custom_renderer_shapes_the_errors() {
-    let layer =
-        IdempotencyLayer::new(MemoryStore::new()).with_error_renderer(|e: &IdempotencyError| {
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .unscoped()
+        .with_error_renderer(|e: &IdempotencyError| {
             let body =
                 serde_json::json!({"error": {"code": e.kind().slug(), "message": e.detail()}});
             let mut res = axum::http::Response::new(Bytes::from(body.to_string()));

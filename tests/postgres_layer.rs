@@ -52,7 +52,7 @@ async fn sixty_four_duplicates_run_once_and_no_connection_idles_in_a_transaction
             }
         })
     };
-    let svc = IdempotencyLayer::new(store).layer(inner);
+    let svc = IdempotencyLayer::new(store).unscoped().layer(inner);
     let barrier = Arc::new(Barrier::new(64));
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     for _ in 0..64 {
@@ -178,7 +178,9 @@ async fn a_handler_records_its_answer_in_its_own_transaction_or_not_at_all() {
             transactional_handler(store.clone(), payments.clone(), attempts.clone(), req)
         })
     };
-    let svc = IdempotencyLayer::from_arc(store.clone()).layer(inner);
+    let svc = IdempotencyLayer::from_arc(store.clone())
+        .unscoped()
+        .layer(inner);
     let count = || async {
         let row = admin(&url)
             .await

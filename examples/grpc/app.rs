@@ -284,6 +284,7 @@ pub(crate) fn idempotency(
 ) -> IdempotencyLayer {
     IdempotencyLayer::from_arc(store)
         .with_retention(config.retention)
+        .with_grpc()
         .with_grpc_passthrough(COUNT_CHARGES)
         // One key space per API key (metadata), as in the HTTP shop; callers without one
         // share the anonymous scope.

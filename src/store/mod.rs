@@ -110,7 +110,9 @@
 //!     }
 //! }
 //!
-//! let layer = tower_idempotency::IdempotencyLayer::new(ToyStore::default());
+//! # #[derive(Clone)] struct Tenant(String);
+//! let layer = tower_idempotency::IdempotencyLayer::new(ToyStore::default())
+//!     .with_scope(|req| req.extensions.get::<Tenant>().map(|t| t.0.clone()));
 //! # drop(layer);
 //! ```
 

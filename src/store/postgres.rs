@@ -15,7 +15,9 @@
 //!     .with_table("idempotency.records")?;
 //! store.migrate().await?;
 //! let _sweeper = store.spawn_sweeper(std::time::Duration::from_secs(60));
-//! let layer = tower_idempotency::IdempotencyLayer::new(store);
+//! # #[derive(Clone)] struct Tenant(String);
+//! let layer = tower_idempotency::IdempotencyLayer::new(store)
+//!     .with_scope(|req| req.extensions.get::<Tenant>().map(|t| t.0.clone()));
 //! # drop(layer);
 //! # Ok(()) }
 //! ```
