@@ -341,6 +341,20 @@ fn need(buf: &Bytes, n: usize) -> Result<(), DecodeError> {
     }
 }
 
+/// The most fields (name-value pairs) one header or trailer map of a record may hold.
+pub(crate) const MAX_RECORDED_FIELDS: usize = 1024;
+/// The most bytes (names and values) one header or trailer map of a record may hold.
+pub(crate) const MAX_RECORDED_FIELD_BYTES: usize = 256 * 1024;
+
+/// Whether `headers` fits the record's caps; an answer that does not is kept as a tombstone.
+pub(crate) fn fits_record(headers: &HeaderMap) -> bool {
+    let bytes: usize = headers
+        .iter()
+        .map(|(n, v)| n.as_str().len() + v.len())
+        .sum();
+    headers.len() <= MAX_RECORDED_FIELDS && bytes <= MAX_RECORDED_FIELD_BYTES
+}
+
 /// Appends `headers` in the layout [`Completion::encode`] uses (a `u32` count, then pairs).
 pub(crate) fn put_headers(out: &mut Vec<u8>, headers: &HeaderMap) {
     out.put_u32(headers.len() as u32);
@@ -352,11 +366,17 @@ pub(crate) fn put_headers(out: &mut Vec<u8>, headers: &HeaderMap) {
     }
 }
 
-/// Reads headers written by [`put_headers`], advancing `buf`.
+/// Reads headers written by [`put_headers`], advancing `buf`. Stored bytes are not trusted:
+/// past the caps, or past what a `HeaderMap` can hold, this is an error, never a panic.
 pub(crate) fn get_headers(buf: &mut Bytes) -> Result<HeaderMap, DecodeError> {
     need(buf, 4)?;
     let count = buf.get_u32() as usize;
-    let mut headers = HeaderMap::with_capacity(count.min(64));
+    if count > MAX_RECORDED_FIELDS {
+        return Err(DecodeError("too many header fields"));
+    }
+    let mut headers = HeaderMap::try_with_capacity(count.min(64))
+        .map_err(|_| DecodeError("too many header fields"))?;
+    let mut bytes = 0usize;
     for _ in 0..count {
         need(buf, 2)?;
         let n = buf.get_u16() as usize;
@@ -366,9 +386,15 @@ pub(crate) fn get_headers(buf: &mut Bytes) -> Result<HeaderMap, DecodeError> {
         need(buf, 4)?;
         let v = buf.get_u32() as usize;
         need(buf, v)?;
+        bytes += n + v;
+        if bytes > MAX_RECORDED_FIELD_BYTES {
+            return Err(DecodeError("header fields too large"));
+        }
         let value = HeaderValue::from_maybe_shared(buf.split_to(v))
             .map_err(|_| DecodeError("invalid header value"))?;
-        headers.append(name, value);
+        headers
+            .try_append(name, value)
+            .map_err(|_| DecodeError("too many header fields"))?;
     }
     Ok(headers)
 }
@@ -410,6 +436,31 @@ mod tests {
             status: StatusCode::OK,
         };
         assert_eq!(Completion::decode(Bytes::from(t.encode())).unwrap(), t);
+    }
+
+    #[test]
+    fn oversized_header_maps_are_decode_errors_not_panics() {
+        // 30,000 fields: more than a HeaderMap can hold (its `append` would panic).
+        let encode = |count: u32, value_len: usize| {
+            let mut out = vec![COMPLETION_FORMAT, KIND_RESPONSE, 0, 200];
+            out.put_u32(count);
+            for i in 0..count {
+                let name = format!("x-{i}");
+                out.put_u16(name.len() as u16);
+                out.extend_from_slice(name.as_bytes());
+                out.put_u32(value_len as u32);
+                out.extend(std::iter::repeat_n(b'v', value_len));
+            }
+            out.put_u32(0);
+            out.put_u8(0);
+            Bytes::from(out)
+        };
+        let err = Completion::decode(encode(30_000, 1)).unwrap_err();
+        assert_eq!(err, DecodeError("too many header fields"));
+        let err = Completion::decode(encode(2, MAX_RECORDED_FIELD_BYTES)).unwrap_err();
+        assert_eq!(err, DecodeError("header fields too large"));
+        let ok = Completion::decode(encode(MAX_RECORDED_FIELDS as u32, 1)).unwrap();
+        assert!(matches!(ok, Completion::Response(r) if r.headers.len() == MAX_RECORDED_FIELDS));
     }
 
     #[test]

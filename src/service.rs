@@ -26,7 +26,7 @@ use crate::fingerprint::fingerprint;
 use crate::key;
 use crate::layer::{Config, Scope};
 use crate::policy::{decide, is_grpc, RecordDecision, ResponseInfo};
-use crate::record::{Completion, Fingerprint, RecordId, RecordState, StoredResponse, Token};
+use crate::record::{self, Completion, Fingerprint, RecordId, RecordState, StoredResponse, Token};
 use crate::response;
 use crate::store::{Claim, ClaimOutcome, StoreError, StoreErrorKind};
 
@@ -741,7 +741,22 @@ impl Keyed {
                         return;
                     }
                 };
+                let fits = || {
+                    record::fits_record(&parts.headers)
+                        && trailers.as_ref().is_none_or(record::fits_record)
+                };
                 match decision {
+                    RecordDecision::Record if !fits() => {
+                        // Beyond the record's header caps: kept as a tombstone, as a body
+                        // beyond max_response_body is, so it is never run twice.
+                        outcome("tombstoned");
+                        let tomb = Completion::Tombstone {
+                            status: parts.status,
+                        };
+                        self.complete(token, &tomb, lease).await;
+                        let res = Response::from_parts(parts, ResponseBody::full(data, trailers));
+                        let _ = tx.send(Ok(Ok(res)));
+                    }
                     RecordDecision::Record => {
                         outcome("executed");
                         let stored = StoredResponse {

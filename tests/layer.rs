@@ -83,6 +83,14 @@ impl App {
                 ];
                 *res.body_mut() = StreamBody::new(stream::iter(frames)).boxed();
             }
+            "/many-headers" => {
+                for i in 0..1100 {
+                    res.headers_mut().append(
+                        http::HeaderName::from_bytes(format!("x-h{i}").as_bytes()).unwrap(),
+                        HeaderValue::from_static("v"),
+                    );
+                }
+            }
             p if p.starts_with("/large/") => {
                 let size: usize = p[7..].parse().unwrap();
                 let chunks: Vec<Result<Frame<Bytes>, std::io::Error>> = (0..size / 1024)
@@ -1102,6 +1110,18 @@ async fn replays_carry_every_header_but_the_deny_list_and_the_exact_body() {
     assert!(h.get("set-cookie").is_none(), "cookies are never recorded");
     assert!(h.get("x-request-id").is_none(), "the user's deny-list");
     assert_eq!(body_bytes(replay).await, "run 1");
+}
+
+#[tokio::test]
+async fn an_answer_beyond_the_header_caps_is_tombstoned_never_run_twice() {
+    let app = App::default();
+    let s = svc(IdempotencyLayer::new(MemoryStore::new()).unscoped(), &app);
+    let first = call(&s, post("/many-headers", Some("k"), "{}")).await;
+    assert_eq!(first.headers().len(), 1100, "the first answer is whole");
+    let retry = call(&s, post("/many-headers", Some("k"), "{}")).await;
+    let v = assert_problem(retry, 410, ErrorKind::ResponseNotRetained).await;
+    assert_eq!(v["original_status"], 201);
+    assert_eq!(app.calls(), 1);
 }
 
 #[tokio::test]
