@@ -21,6 +21,8 @@ pub enum ErrorKind {
     BodyTooLarge,
     /// The request body could not be read. HTTP 400.
     BodyUnreadable,
+    /// The request body did not arrive within the request body timeout. HTTP 408.
+    BodyTimeout,
     /// The first request with this key is still running. HTTP 409, with `Retry-After`.
     InProgress,
     /// The key was used before with a different request. HTTP 422.
@@ -41,6 +43,7 @@ impl ErrorKind {
                 StatusCode::BAD_REQUEST
             }
             ErrorKind::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ErrorKind::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             ErrorKind::InProgress => StatusCode::CONFLICT,
             ErrorKind::Mismatch => StatusCode::UNPROCESSABLE_ENTITY,
             ErrorKind::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
@@ -56,6 +59,7 @@ impl ErrorKind {
             ErrorKind::KeyInvalid => "key-invalid",
             ErrorKind::BodyTooLarge => "body-too-large",
             ErrorKind::BodyUnreadable => "body-unreadable",
+            ErrorKind::BodyTimeout => "body-timeout",
             ErrorKind::InProgress => "in-progress",
             ErrorKind::Mismatch => "key-reused",
             ErrorKind::StoreUnavailable => "store-unavailable",
@@ -78,6 +82,7 @@ impl ErrorKind {
             ErrorKind::KeyInvalid => "Idempotency key invalid",
             ErrorKind::BodyTooLarge => "Request body too large",
             ErrorKind::BodyUnreadable => "Request body unreadable",
+            ErrorKind::BodyTimeout => "Request body timed out",
             ErrorKind::InProgress => "Request in progress",
             ErrorKind::Mismatch => "Idempotency key reused",
             ErrorKind::StoreUnavailable => "Idempotency store unavailable",

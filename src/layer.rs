@@ -134,6 +134,7 @@ pub(crate) struct Config {
     pub(crate) scope: Scope,
     pub(crate) max_request_body: usize,
     pub(crate) max_response_body: usize,
+    pub(crate) request_body_timeout: Duration,
     pub(crate) retention: Retention,
     pub(crate) fingerprint: FingerprintConfig,
     pub(crate) unrecorded_headers: Vec<HeaderName>,
@@ -228,6 +229,7 @@ impl IdempotencyLayer {
                 scope: Scope::Unset,
                 max_request_body: 1 << 20,
                 max_response_body: 1 << 20,
+                request_body_timeout: Duration::from_secs(30),
                 retention: Retention::default(),
                 fingerprint: FingerprintConfig::default(),
                 unrecorded_headers: Vec::new(),
@@ -309,6 +311,16 @@ impl IdempotencyLayer {
     /// largest client-streaming request the layer protects.
     pub fn with_max_grpc_request_body(self, limit: NonZeroUsize) -> Self {
         self.edit(|c| c.max_grpc_request_body = limit.get())
+    }
+
+    /// How long a keyed request's whole body may take to arrive (default 30 s); slower: 408
+    /// ([`ErrorKind::BodyTimeout`](crate::ErrorKind::BodyTimeout), gRPC `DEADLINE_EXCEEDED`),
+    /// and nothing is claimed.
+    ///
+    /// Keyed bodies are buffered before the handler runs, so this bounds how long a slow
+    /// client can hold up to the body limit in memory.
+    pub fn with_request_body_timeout(self, timeout: Duration) -> Self {
+        self.edit(|c| c.request_body_timeout = timeout)
     }
 
     /// The largest response body recorded (default 1 MiB). A larger one streams to the client

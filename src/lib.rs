@@ -188,6 +188,7 @@ pub use service::{Idempotency, ResponseFuture};
 /// | 400 | [`key-invalid`](#key-invalid) | empty, > 255 characters, not visible ASCII, bad sf-string, or two field lines | `INVALID_ARGUMENT` |
 /// | 400 | [`body-unreadable`](#body-unreadable) | the request body failed while being read | `INVALID_ARGUMENT` |
 /// | 413 | [`body-too-large`](#body-too-large) | the body exceeds `max_request_body` | `RESOURCE_EXHAUSTED` |
+/// | 408 | [`body-timeout`](#body-timeout) | the body did not arrive within `request_body_timeout` | `DEADLINE_EXCEEDED` |
 /// | 409 | [`in-progress`](#in-progress) | the first request with this key still runs; `Retry-After` says when its lease ends | `ABORTED` |
 /// | 422 | [`key-reused`](#key-reused) | the key was used with a different request (body, path, method) | `FAILED_PRECONDITION` |
 /// | 410 | [`response-not-retained`](#response-not-retained) | the original completed, but its response was too large to keep | `ALREADY_EXISTS` |
@@ -211,6 +212,10 @@ pub use service::{Idempotency, ResponseFuture};
 ///
 /// # body-too-large
 /// Protected requests are buffered to be fingerprinted. Nothing was claimed.
+///
+/// # body-timeout
+/// The body arrived too slowly (default limit 30 s for the whole body). Nothing was claimed;
+/// retry.
 ///
 /// # in-progress
 /// Retry after `Retry-After` seconds, with the same key and the same request.

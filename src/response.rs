@@ -49,6 +49,7 @@ pub(crate) fn grpc_code(kind: ErrorKind) -> u8 {
         ErrorKind::InProgress => 10,                                                    // ABORTED
         ErrorKind::Mismatch => 9,            // FAILED_PRECONDITION
         ErrorKind::BodyTooLarge => 8,        // RESOURCE_EXHAUSTED
+        ErrorKind::BodyTimeout => 4,         // DEADLINE_EXCEEDED
         ErrorKind::StoreUnavailable => 14,   // UNAVAILABLE
         ErrorKind::ResponseNotRetained => 6, // ALREADY_EXISTS
         ErrorKind::ScopeMissing => 13,       // INTERNAL

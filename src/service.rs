@@ -13,7 +13,7 @@ use bytes::{Bytes, BytesMut};
 use futures_util::FutureExt;
 use http::{request, HeaderMap, Method, Request, Response};
 use http_body::Body;
-use http_body_util::{BodyExt, LengthLimitError, Limited};
+use http_body_util::BodyExt;
 use pin_project_lite::pin_project;
 use tokio::time::Instant;
 use tower_service::Service;
@@ -261,18 +261,26 @@ impl Flow {
                 format!("the request body is larger than {limit} bytes"),
             )
         };
-        if content_length(&parts.headers).is_some_and(|n| n > limit as u64) {
+        let declared = content_length(&parts.headers);
+        if declared.is_some_and(|n| n > limit as u64) {
             return Ok(self.error(too_large()));
         }
-        let bytes = match Limited::new(body, limit).collect().await {
-            Ok(collected) => collected.to_bytes(),
-            Err(e) if e.is::<LengthLimitError>() => return Ok(self.error(too_large())),
-            Err(e) => {
+        let read = buffer_body(body, limit, declared.unwrap_or(0) as usize);
+        let bytes = match tokio::time::timeout(self.cfg.request_body_timeout, read).await {
+            Ok(Ok(bytes)) => bytes,
+            Ok(Err(BodyError::TooLarge)) => return Ok(self.error(too_large())),
+            Ok(Err(BodyError::Failed(e))) => {
                 tracing::debug!(error = %e, "request body unreadable");
                 return Ok(self.error(IdempotencyError::new(
                     ErrorKind::BodyUnreadable,
                     "the request body could not be read",
                 )));
+            }
+            Err(_) => {
+                return Ok(self.error(IdempotencyError::new(
+                    ErrorKind::BodyTimeout,
+                    "the request body did not arrive in time; nothing was processed",
+                )))
             }
         };
 
@@ -981,6 +989,33 @@ fn panic_message(panic: &(dyn Any + Send)) -> &str {
         .copied()
         .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
         .unwrap_or("a non-string panic")
+}
+
+enum BodyError {
+    TooLarge,
+    Failed(BoxError),
+}
+
+/// Reads a request body into one buffer, sized from `Content-Length` (already checked
+/// against `limit`). Each frame is copied and dropped at once: a body sent in many small
+/// frames must not pin a read buffer per frame until the end.
+async fn buffer_body<B>(body: B, limit: usize, declared: usize) -> Result<Bytes, BodyError>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let mut body = std::pin::pin!(body);
+    let mut buf = BytesMut::with_capacity(declared.min(limit));
+    while let Some(frame) = body.as_mut().frame().await {
+        let frame = frame.map_err(|e| BodyError::Failed(e.into()))?;
+        if let Ok(data) = frame.into_data() {
+            if data.len() > limit - buf.len() {
+                return Err(BodyError::TooLarge);
+            }
+            buf.extend_from_slice(&data);
+        }
+    }
+    Ok(buf.freeze())
 }
 
 fn content_length(headers: &HeaderMap) -> Option<u64> {

@@ -429,6 +429,95 @@ async fn a_body_over_the_limit_by_content_length_is_413_before_any_claim() {
     );
 }
 
+/// A body of 1-byte frames, each a slice of its own 64 KiB buffer (as a server's read
+/// buffer). Counts the frames whose buffer was still referenced when the next was asked for.
+struct PinningBody {
+    sent: Vec<Bytes>,
+    left: usize,
+    pinned: Arc<AtomicUsize>,
+}
+
+impl http_body::Body for PinningBody {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        if let Some(last) = self.sent.pop() {
+            if !last.is_unique() {
+                self.pinned.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        if self.left == 0 {
+            return std::task::Poll::Ready(None);
+        }
+        self.left -= 1;
+        let backing = Bytes::from(vec![b'x'; 64 * 1024]);
+        let frame = backing.slice(0..1);
+        self.sent.push(backing);
+        std::task::Poll::Ready(Some(Ok(Frame::data(frame))))
+    }
+}
+
+#[tokio::test]
+async fn a_body_in_small_frames_is_copied_into_one_buffer_not_kept_frame_by_frame() {
+    let pinned = Arc::new(AtomicUsize::new(0));
+    let inner = service_fn(|req: Request<RequestBody<PinningBody>>| async move {
+        let body = req.into_body().collect().await.unwrap().to_bytes();
+        Ok::<_, Infallible>(Response::new(Full::new(body)))
+    });
+    let s = IdempotencyLayer::new(MemoryStore::new())
+        .unscoped()
+        .layer(inner);
+    let req = Request::post("/x")
+        .header("idempotency-key", "k")
+        .header("content-length", "100")
+        .body(PinningBody {
+            sent: Vec::new(),
+            left: 100,
+            pinned: pinned.clone(),
+        })
+        .unwrap();
+    let res = s.oneshot(req).await.unwrap();
+    assert_eq!(body_bytes(res).await, "x".repeat(100));
+    assert_eq!(
+        pinned.load(Ordering::SeqCst),
+        0,
+        "no frame outlived its turn"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_body_slower_than_the_timeout_is_408_before_any_claim() {
+    let store = counting();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let c = calls.clone();
+    let inner = service_fn(move |_req: Request<RequestBody<StreamBody<_>>>| {
+        c.fetch_add(1, Ordering::SeqCst);
+        async { Ok::<_, Infallible>(Response::new(Full::new(Bytes::new()))) }
+    });
+    let s = IdempotencyLayer::new(store.clone())
+        .unscoped()
+        .with_request_body_timeout(Duration::from_secs(5))
+        .layer(inner);
+    // One byte, then nothing: a slow client holding its buffer.
+    let frames = stream::iter([Ok::<_, std::io::Error>(Frame::data(Bytes::from_static(
+        b"{",
+    )))]);
+    let frames = futures_util::StreamExt::chain(frames, stream::pending());
+    let req = Request::post("/x")
+        .header("idempotency-key", "k")
+        .body(StreamBody::new(frames))
+        .unwrap();
+    let res = s.oneshot(req).await.unwrap();
+    assert_eq!(res.status(), 408);
+    let err = res.extensions().get::<IdempotencyError>().unwrap();
+    assert_eq!(err.kind(), ErrorKind::BodyTimeout);
+    assert_eq!((calls.load(Ordering::SeqCst), store.total()), (0, 0));
+}
+
 #[tokio::test]
 async fn a_chunked_body_over_the_limit_is_413_before_any_claim() {
     let store = counting();
