@@ -142,6 +142,8 @@ pub(crate) struct Config {
     pub(crate) fail_open: bool,
     pub(crate) release_on_no_store: bool,
     pub(crate) wait: Option<Duration>,
+    pub(crate) max_waiters: usize,
+    pub(crate) waiters: Arc<crate::service::Waiters>,
     pub(crate) renderer: Option<Renderer>,
     pub(crate) max_grpc_request_body: usize,
     pub(crate) grpc: bool,
@@ -237,6 +239,8 @@ impl IdempotencyLayer {
                 fail_open: false,
                 release_on_no_store: false,
                 wait: None,
+                max_waiters: 1024,
+                waiters: Arc::default(),
                 renderer: None,
                 max_grpc_request_body: 4 << 20,
                 grpc: false,
@@ -387,8 +391,20 @@ impl IdempotencyLayer {
 
     /// While the first attempt runs, make a retry wait up to `max` for its answer, then
     /// replay it. Past `max` the retry gets 409 as without waiting.
+    ///
+    /// Waiting duplicates of one key are coalesced within the process: one poll of the
+    /// store per key, with jitter, however many wait. At most
+    /// [`with_max_waiters`](Self::with_max_waiters) requests wait at once; the rest get
+    /// 409 at once.
     pub fn with_wait(self, max: Duration) -> Self {
         self.edit(|c| c.wait = Some(max))
+    }
+
+    /// How many requests may wait at once in [wait mode](Self::with_wait), over all keys
+    /// (default 1,024). Each waiter holds its buffered request body, so this bounds the
+    /// memory a burst of duplicates can take.
+    pub fn with_max_waiters(self, max: NonZeroUsize) -> Self {
+        self.edit(|c| c.max_waiters = max.get())
     }
 
     /// Renders the layer's HTTP errors yourself. The typed [`IdempotencyError`] also goes into

@@ -1,10 +1,12 @@
 //! [`Idempotency`]: the service, and the request flow of DESIGN.md read top to bottom.
 
 use std::any::Any;
+use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -512,6 +514,91 @@ where
     }
 }
 
+/// Wait mode's registry: one poller per record id, many listeners.
+#[derive(Debug, Default)]
+pub(crate) struct Waiters {
+    polls: Mutex<HashMap<RecordId, tokio::sync::watch::Sender<bool>>>,
+    waiting: AtomicUsize,
+}
+
+/// One waiting request; leaving (dropped) frees its place under the cap.
+struct WaitTicket {
+    changed: tokio::sync::watch::Receiver<bool>,
+    waiters: Arc<Waiters>,
+}
+
+impl Drop for WaitTicket {
+    fn drop(&mut self) {
+        self.waiters.waiting.fetch_sub(1, AtomicOrdering::Relaxed);
+    }
+}
+
+impl Waiters {
+    fn polls(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<RecordId, tokio::sync::watch::Sender<bool>>> {
+        self.polls.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Listens for a change of `id`, starting its poller if none runs; `None` past the cap.
+    fn join(cfg: &Arc<Config>, id: RecordId) -> Option<WaitTicket> {
+        let waiters = cfg.waiters.clone();
+        if waiters.waiting.fetch_add(1, AtomicOrdering::Relaxed) >= cfg.max_waiters {
+            waiters.waiting.fetch_sub(1, AtomicOrdering::Relaxed);
+            return None;
+        }
+        let changed = {
+            let mut polls = waiters.polls();
+            match polls.get(&id) {
+                Some(tx) => tx.subscribe(),
+                None => {
+                    let (tx, rx) = tokio::sync::watch::channel(false);
+                    polls.insert(id, tx.clone());
+                    tokio::spawn(poll_record(cfg.clone(), id, tx));
+                    rx
+                }
+            }
+        };
+        Some(WaitTicket { changed, waiters })
+    }
+}
+
+/// Polls `id` with jittered backoff until it is no longer a live claim, then tells every
+/// listener; stops early when nobody listens any more.
+async fn poll_record(cfg: Arc<Config>, id: RecordId, tx: tokio::sync::watch::Sender<bool>) {
+    let mut pause = BACKOFF_START;
+    loop {
+        tokio::time::sleep(jitter(pause)).await;
+        pause = (pause * 2).min(BACKOFF_MAX);
+        {
+            // Under the lock, so no listener joins between this check and the removal.
+            let mut polls = cfg.waiters.polls();
+            if tx.receiver_count() == 0 {
+                polls.remove(&id);
+                return;
+            }
+        }
+        let read = deadline(Instant::now(), cfg.retention.store_timeout());
+        let live = matches!(
+            bounded(read, cfg.store.get(&id)).await,
+            Ok(Some(r)) if matches!(r.state, RecordState::InProgress { lease_remaining } if !lease_remaining.is_zero())
+        );
+        // Completed, released, lapsed or a store error: the listeners claim again to find out.
+        if !live {
+            cfg.waiters.polls().remove(&id);
+            let _ = tx.send(true);
+            return;
+        }
+    }
+}
+
+/// A pause between half of `pause` and all of it, so pollers on many replicas spread out.
+fn jitter(pause: Duration) -> Duration {
+    let r = getrandom::u32().unwrap_or(u32::MAX);
+    let half = pause / 2;
+    half + half.mul_f64(f64::from(r) / f64::from(u32::MAX))
+}
+
 impl Keyed {
     async fn claim<B: Body>(&self) -> Step<B> {
         let cfg = &*self.flow.cfg;
@@ -589,24 +676,14 @@ impl Keyed {
         }
     }
 
-    /// Wait mode: polls until the record is no longer a live claim (`true`), or `until` passes.
+    /// Wait mode: waits until the record is no longer a live claim (`true`), or `until`
+    /// passes, or too many wait already (`false`). Waiters of one record share one poll.
     async fn wait_for_change(&self, until: Instant) -> bool {
-        let cfg = &*self.flow.cfg;
-        let mut pause = BACKOFF_START;
-        loop {
-            if deadline(Instant::now(), pause) > until {
-                return false;
-            }
-            tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(BACKOFF_MAX);
-            let read = deadline(Instant::now(), cfg.retention.store_timeout());
-            match bounded(read, cfg.store.get(&self.id)).await {
-                Ok(Some(r)) if matches!(r.state, RecordState::InProgress { lease_remaining } if !lease_remaining.is_zero()) =>
-                    {}
-                // Completed, released, lapsed or a store error: claim again to find out.
-                _ => return true,
-            }
-        }
+        let Some(mut ticket) = Waiters::join(&self.flow.cfg, self.id) else {
+            return false;
+        };
+        let changed = tokio::time::timeout_at(until, ticket.changed.wait_for(|c| *c)).await;
+        changed.is_ok()
     }
 
     /// Steps 7 to 9: run the inner service once, renewing the lease; settle; answer through

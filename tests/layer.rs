@@ -1346,6 +1346,42 @@ async fn wait_mode_falls_back_to_409_when_the_wait_times_out() {
     assert_eq!(first.await.unwrap().status(), 201);
 }
 
+#[tokio::test(start_paused = true)]
+async fn waiting_duplicates_share_one_poll_and_past_the_cap_get_409() {
+    let (store, app) = (counting(), App::default());
+    let s = svc(
+        IdempotencyLayer::new(store.clone())
+            .unscoped()
+            .with_wait(Duration::from_secs(60))
+            .with_max_waiters(NonZeroUsize::new(40).unwrap()),
+        &app,
+    );
+    let first = tokio::spawn(call(&s, post("/gated", Some("k"), "{}")));
+    app.started.notified().await;
+    let waiters: Vec<_> = (0..50)
+        .map(|_| tokio::spawn(call(&s, post("/gated", Some("k"), "{}"))))
+        .collect();
+    // Five seconds of waiting: about fifteen polls at the backoff's pace.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let gets = store.gets.load(Ordering::SeqCst);
+    assert!(
+        (1..=20).contains(&gets),
+        "{gets} gets for 40 waiters: one poll serves them all"
+    );
+    app.gate.notify_one();
+    assert_eq!(first.await.unwrap().status(), 201);
+    let mut statuses = std::collections::BTreeMap::new();
+    for w in waiters {
+        let res = w.await.unwrap();
+        *statuses.entry(res.status().as_u16()).or_insert(0) += 1;
+        if res.status() == 201 {
+            assert_eq!(res.headers()["idempotent-replayed"], "true");
+        }
+    }
+    assert_eq!(statuses, [(201, 40), (409, 10)].into());
+    assert_eq!(app.calls(), 1);
+}
+
 // 12. IdempotencyContext -------------------------------------------------------------------
 
 #[tokio::test]
