@@ -169,6 +169,12 @@ fn grpc_path_matches(pattern: &str, path: &str) -> bool {
 }
 
 impl Config {
+    /// The response headers (or trailers) a record keeps: the one rule for both protocols,
+    /// for the layer and for handlers that record their own answer.
+    pub(crate) fn recorded_headers(&self, headers: &http::HeaderMap) -> http::HeaderMap {
+        crate::response::recorded_headers(headers, &self.unrecorded_headers)
+    }
+
     /// Whether a gRPC request to `path` is protected: in `grpc_methods` (all when unset)
     /// and not in `grpc_passthrough`.
     pub(crate) fn grpc_protected(&self, path: &str) -> bool {

@@ -169,6 +169,10 @@ mod response;
 mod service;
 pub mod store;
 
+#[cfg(feature = "conformance")]
+#[cfg_attr(docsrs, doc(cfg(feature = "conformance")))]
+pub mod conformance;
+
 pub use body::{RequestBody, ResponseBody};
 pub use context::IdempotencyContext;
 pub use error::{ConfigError, ErrorKind, IdempotencyError};

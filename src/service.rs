@@ -710,6 +710,7 @@ impl Keyed {
             self.id,
             self.fp,
             token,
+            self.flow.cfg.clone(),
         );
         parts.extensions.insert(ctx);
         let req = Request::from_parts(parts, RequestBody::buffered(bytes));
@@ -846,14 +847,9 @@ impl Keyed {
                         outcome("executed");
                         let stored = StoredResponse {
                             status: parts.status,
-                            headers: response::recorded_headers(
-                                &parts.headers,
-                                &cfg.unrecorded_headers,
-                            ),
+                            headers: cfg.recorded_headers(&parts.headers),
                             body: data.clone(),
-                            trailers: trailers
-                                .as_ref()
-                                .map(|t| response::recorded_headers(t, &cfg.unrecorded_headers)),
+                            trailers: trailers.as_ref().map(|t| cfg.recorded_headers(t)),
                         };
                         self.complete(token, &Completion::Response(stored), lease)
                             .await;

@@ -10,10 +10,9 @@ use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderMap, Request, Response, StatusCode};
+use http::{Request, Response, StatusCode};
 use http_body_util::Full;
 use pg_support::{admin, store_in, TestSchema};
 use support::{body_bytes, post};
@@ -21,9 +20,7 @@ use tokio::sync::{Barrier, Notify};
 use tower::{service_fn, Layer, ServiceExt};
 use tower_idempotency::store::postgres::PostgresStore;
 use tower_idempotency::store::IdempotencyStore;
-use tower_idempotency::{
-    Completion, IdempotencyContext, IdempotencyLayer, RecordDecision, RequestBody, StoredResponse,
-};
+use tower_idempotency::{IdempotencyContext, IdempotencyLayer, RecordDecision, RequestBody};
 
 const APP: &str = "tidem-layer";
 
@@ -128,24 +125,12 @@ async fn transactional_handler(
         .await
         .unwrap();
     let body = Bytes::from(format!(r#"{{"id":"{id}"}}"#));
-    let mut headers = HeaderMap::new();
-    headers.insert("content-type", "application/json".parse().unwrap());
-    let answer = Completion::Response(StoredResponse {
-        status: StatusCode::CREATED,
-        headers: headers.clone(),
-        body: body.clone(),
-        trailers: None,
-    });
-    store
-        .complete_in(
-            &tx,
-            &ctx.record_id(),
-            &ctx.token(),
-            &answer,
-            Duration::from_secs(3600),
-        )
-        .await
+    let answer = Response::builder()
+        .status(StatusCode::CREATED)
+        .header("content-type", "application/json")
+        .body(body.clone())
         .unwrap();
+    store.record_in(&tx, &ctx, &answer).await.unwrap();
     if attempt == 1 {
         tx.rollback().await.unwrap();
         let mut res = Response::new(Full::new(Bytes::from_static(b"try again")));
@@ -153,9 +138,7 @@ async fn transactional_handler(
         return Ok(res);
     }
     tx.commit().await.unwrap();
-    let mut res = Response::new(Full::new(body));
-    *res.status_mut() = StatusCode::CREATED;
-    *res.headers_mut() = headers;
+    let mut res = answer.map(Full::new);
     res.extensions_mut().insert(RecordDecision::AlreadyRecorded);
     Ok(res)
 }
