@@ -92,6 +92,13 @@
 //! `examples/shop` is a complete payments API: `cargo run --example shop`. `examples/grpc` is
 //! the same shop over tonic; [`tonic_guide`] covers gRPC.
 //!
+//! # Security
+//!
+//! Keys are scoped: choose who shares a key space with
+//! [`IdempotencyLayer::with_scope`] (the principal, from an auth layer outside this one).
+//! [`security`] has the threat model (who can replay what), what the crate stores, the
+//! settings that bound memory and load, TLS to the stores and how to check advisories.
+//!
 //! # The client side
 //!
 //! The server side is half of it: clients must send one key per intent and retry with
@@ -241,6 +248,9 @@ pub mod problems {}
 
 #[doc = include_str!("docs/tonic.md")]
 pub mod tonic_guide {}
+
+#[doc = include_str!("docs/security.md")]
+pub mod security {}
 
 /// Not public API: hooks for the benchmarks.
 #[doc(hidden)]

@@ -307,6 +307,19 @@ impl Entry {
     }
 }
 
+/// A copy whose body owns exactly its bytes: the caller's body may be a slice of a larger
+/// buffer (a frozen `BytesMut` can hold twice its length), which the byte count would miss.
+fn exact_size(c: &Completion) -> Completion {
+    match c {
+        Completion::Response(r) => {
+            let mut r = r.clone();
+            r.body = bytes::Bytes::copy_from_slice(&r.body);
+            Completion::Response(r)
+        }
+        tomb @ Completion::Tombstone { .. } => tomb.clone(),
+    }
+}
+
 fn completion_size(c: &Completion) -> usize {
     match c {
         Completion::Tombstone { .. } => 0,
@@ -438,16 +451,17 @@ impl IdempotencyStore for MemoryStore {
         completion: &Completion,
         ttl: Duration,
     ) -> Result<(), StoreError> {
+        let kept = exact_size(completion);
         let mut shard = self.shard(id);
         let now = Instant::now();
         match shard.map.get_mut(id) {
             Some(e) if e.token == *token && e.completion.is_none() && e.expires_at > now => {
                 let expires_at = after(now, ttl);
-                let size = ENTRY_OVERHEAD + completion_size(completion);
+                let size = ENTRY_OVERHEAD + completion_size(&kept);
                 self.inner.bytes.fetch_add(size, Ordering::Relaxed);
                 self.inner.bytes.fetch_sub(e.size, Ordering::Relaxed);
                 e.size = size;
-                e.completion = Some(completion.clone());
+                e.completion = Some(kept);
                 e.expires_at = expires_at;
                 self.inner.note_expiry(expires_at);
                 Ok(())
