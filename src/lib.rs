@@ -135,6 +135,8 @@
 //! |---|---|---|
 //! | `redis` | no | `store::redis` with the `redis` crate (1.x): single node and Cluster |
 //! | `postgres` | no | `store::postgres` with `tokio-postgres` and `deadpool-postgres` |
+//! | `redis-tls` | no | `rediss://` for the Redis store, with rustls ([`security`](crate::security#tls-to-the-stores)) |
+//! | `postgres-tls` | no | TLS for the Postgres store as `sslmode` says, with rustls |
 //! | `client` | no | `client`: the retry layer for clients, with `tower`'s retry and `httpdate` |
 //!
 //! # What "exactly once" means here

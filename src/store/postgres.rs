@@ -199,6 +199,10 @@ use tokio_postgres::types::ToSql;
 use tokio_postgres::Row;
 
 pub use deadpool_postgres;
+/// The rustls the `postgres-tls` feature uses, for [`PostgresStore::connect_with_tls`].
+#[cfg(feature = "postgres-tls")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres-tls")))]
+pub use rustls;
 pub use tokio_postgres;
 
 use deadpool_postgres::{GenericClient, Object, Pool};
@@ -296,12 +300,40 @@ const EXISTING: i16 = 2;
 #[derive(Clone)]
 pub struct PostgresStore {
     pool: Pool,
-    /// The driver config when `connect` built the pool: `with_timeout` rebuilds it then.
-    config: Option<Arc<tokio_postgres::Config>>,
+    /// The driver config and TLS when `connect` built the pool: `with_timeout` rebuilds it then.
+    config: Option<Arc<Owned>>,
     table: Arc<Table>,
     sql: Arc<Sql>,
     timeout: Duration,
     retries: Arc<AtomicU64>,
+}
+
+/// A rustls client configuration over `roots`, with the ring provider (rustls only; the
+/// crate never links OpenSSL).
+#[cfg(feature = "postgres-tls")]
+fn client_config(roots: rustls::RootCertStore) -> rustls::ClientConfig {
+    rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .expect("ring supports the default protocol versions")
+        .with_root_certificates(roots)
+        .with_no_client_auth()
+}
+
+/// What `connect` built its pool from.
+struct Owned {
+    config: tokio_postgres::Config,
+    tls: Tls,
+}
+
+/// How `connect` reaches the server.
+#[derive(Clone)]
+enum Tls {
+    /// Plaintext only: built without `postgres-tls`. `sslmode=require` then fails to connect.
+    #[cfg_attr(feature = "postgres-tls", allow(dead_code))]
+    None,
+    /// rustls, as `sslmode` says (`disable`, `prefer`, `require`).
+    #[cfg(feature = "postgres-tls")]
+    Rustls(tokio_postgres_rustls::MakeRustlsConnect),
 }
 
 impl fmt::Debug for PostgresStore {
@@ -998,12 +1030,7 @@ impl PostgresStore {
         Self::with_parts(pool, None, table, DEFAULT_TIMEOUT)
     }
 
-    fn with_parts(
-        pool: Pool,
-        config: Option<Arc<tokio_postgres::Config>>,
-        table: Table,
-        timeout: Duration,
-    ) -> Self {
+    fn with_parts(pool: Pool, config: Option<Arc<Owned>>, table: Table, timeout: Duration) -> Self {
         Self {
             sql: Arc::new(Sql::new(&table)),
             table: Arc::new(table),
@@ -1014,19 +1041,26 @@ impl PostgresStore {
         }
     }
 
-    /// The pool `connect` makes: 16 connections without TLS, each with the server-side
-    /// timeouts for `timeout` (see [`server_timeouts`]). Does no I/O.
-    fn owned_pool(config: &tokio_postgres::Config, timeout: Duration) -> Result<Pool, StoreError> {
-        let mut config = config.clone();
+    /// The pool `connect` makes: 16 connections, each with the server-side timeouts for
+    /// `timeout` (see [`server_timeouts`]). Does no I/O.
+    fn owned_pool(owned: &Owned, timeout: Duration) -> Result<Pool, StoreError> {
+        let mut config = owned.config.clone();
         let options = timeout_options(config.get_options(), timeout);
         config.options(options);
-        let manager = deadpool_postgres::Manager::from_config(
-            config,
-            tokio_postgres::NoTls,
-            deadpool_postgres::ManagerConfig {
-                recycling_method: deadpool_postgres::RecyclingMethod::Fast,
-            },
-        );
+        let manager_config = deadpool_postgres::ManagerConfig {
+            recycling_method: deadpool_postgres::RecyclingMethod::Fast,
+        };
+        let manager = match &owned.tls {
+            Tls::None => deadpool_postgres::Manager::from_config(
+                config,
+                tokio_postgres::NoTls,
+                manager_config,
+            ),
+            #[cfg(feature = "postgres-tls")]
+            Tls::Rustls(tls) => {
+                deadpool_postgres::Manager::from_config(config, tls.clone(), manager_config)
+            }
+        };
         Pool::builder(manager)
             .max_size(16)
             .runtime(deadpool_postgres::Runtime::Tokio1)
@@ -1035,15 +1069,70 @@ impl PostgresStore {
             .map_err(|e| StoreError::with_source(StoreErrorKind::Other, e))
     }
 
-    /// Connects to `url` (a `postgres://` URL or a key-value string) without TLS, with a pool
-    /// of 16 connections, and checks that one connection opens.
+    /// Connects to `url` (a `postgres://` URL or a key-value string) with a pool of 16
+    /// connections, and checks that one connection opens.
+    ///
+    /// TLS: with the `postgres-tls` feature, connections use rustls with the platform's
+    /// root certificates, as the URL's `sslmode` says: `disable` (plaintext), `prefer` (the
+    /// default: TLS when the server offers it) or `require` (TLS or no connection). The
+    /// server's certificate and host name are always verified when TLS is used. For another
+    /// CA or a client certificate, use [`connect_with_tls`](Self::connect_with_tls). Without
+    /// the feature connections are plaintext: `prefer` falls back to plaintext and `require`
+    /// fails. Use `sslmode=require` wherever the network is shared.
     ///
     /// The connections' `application_name` is `tower-idempotency` unless the URL sets one.
     /// Their `statement_timeout` and `lock_timeout` sit just below the store's
     /// [timeout](Self::with_timeout), so the server ends a blocked statement itself, and TCP
     /// keepalives notice a dead peer within about a minute.
-    /// For TLS or other pool settings, build a [`Pool`] and use [`PostgresStore::new`].
+    /// For other pool settings, build a [`Pool`] and use [`PostgresStore::new`].
     pub async fn connect(url: &str) -> Result<Self, SetupError> {
+        #[cfg(feature = "postgres-tls")]
+        let tls = {
+            let mut roots = rustls::RootCertStore::empty();
+            // Certificates the platform cannot parse are skipped, as browsers do.
+            let native = rustls_native_certs::load_native_certs();
+            roots.add_parsable_certificates(native.certs);
+            Tls::Rustls(tokio_postgres_rustls::MakeRustlsConnect::new(
+                client_config(roots),
+            ))
+        };
+        #[cfg(not(feature = "postgres-tls"))]
+        let tls = Tls::None;
+        Self::connect_owned(url, tls).await
+    }
+
+    /// Like [`connect`](Self::connect), with your rustls configuration: your own root
+    /// certificates (a private CA), a client certificate, or other settings. `sslmode` in the
+    /// URL still decides whether TLS is used.
+    ///
+    /// ```no_run
+    /// # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use tower_idempotency::store::postgres::{rustls, PostgresStore};
+    ///
+    /// let ca = std::fs::read("/etc/ssl/private-ca.der")?;
+    /// let mut roots = rustls::RootCertStore::empty();
+    /// roots.add(ca.into())?;
+    /// let tls = rustls::ClientConfig::builder()
+    ///     .with_root_certificates(roots)
+    ///     .with_no_client_auth();
+    /// let store = PostgresStore::connect_with_tls(
+    ///     "postgres://app@db.internal/app?sslmode=require",
+    ///     tls,
+    /// )
+    /// .await?;
+    /// # drop(store); Ok(()) }
+    /// ```
+    #[cfg(feature = "postgres-tls")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "postgres-tls")))]
+    pub async fn connect_with_tls(
+        url: &str,
+        tls: rustls::ClientConfig,
+    ) -> Result<Self, SetupError> {
+        let tls = Tls::Rustls(tokio_postgres_rustls::MakeRustlsConnect::new(tls));
+        Self::connect_owned(url, tls).await
+    }
+
+    async fn connect_owned(url: &str, tls: Tls) -> Result<Self, SetupError> {
         let mut config: tokio_postgres::Config = url.parse().map_err(SetupError::Url)?;
         if config.get_application_name().is_none() {
             config.application_name("tower-idempotency");
@@ -1056,14 +1145,15 @@ impl PostgresStore {
             .keepalives_idle(KEEPALIVE_IDLE)
             .keepalives_interval(KEEPALIVE_INTERVAL)
             .keepalives_retries(KEEPALIVE_RETRIES);
+        let owned = Owned { config, tls };
         // Building a pool only fails for a broken runtime setup, which a test would catch.
-        let pool = Self::owned_pool(&config, DEFAULT_TIMEOUT)
+        let pool = Self::owned_pool(&owned, DEFAULT_TIMEOUT)
             .expect("a deadpool pool with the tokio runtime builds");
         drop(pool.get().await.map_err(SetupError::Connect)?);
         let table = Table::parse(DEFAULT_TABLE).expect("the default table name is valid");
         Ok(Self::with_parts(
             pool,
-            Some(Arc::new(config)),
+            Some(Arc::new(owned)),
             table,
             DEFAULT_TIMEOUT,
         ))
