@@ -31,6 +31,8 @@ pub enum ErrorKind {
     StoreUnavailable,
     /// The original request completed, but its response was too large to keep. HTTP 410.
     ResponseNotRetained,
+    /// The scope is over the store's per-scope quota. HTTP 429.
+    QuotaExceeded,
     /// The scope function found no scope: the layer runs before the one that sets it. HTTP 500.
     ScopeMissing,
 }
@@ -49,6 +51,7 @@ impl ErrorKind {
             ErrorKind::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             ErrorKind::ResponseNotRetained => StatusCode::GONE,
             ErrorKind::ScopeMissing => StatusCode::INTERNAL_SERVER_ERROR,
+            ErrorKind::QuotaExceeded => StatusCode::TOO_MANY_REQUESTS,
         }
     }
 
@@ -65,6 +68,7 @@ impl ErrorKind {
             ErrorKind::StoreUnavailable => "store-unavailable",
             ErrorKind::ResponseNotRetained => "response-not-retained",
             ErrorKind::ScopeMissing => "scope-missing",
+            ErrorKind::QuotaExceeded => "quota-exceeded",
         }
     }
 
@@ -88,6 +92,7 @@ impl ErrorKind {
             ErrorKind::StoreUnavailable => "Idempotency store unavailable",
             ErrorKind::ResponseNotRetained => "Original response not retained",
             ErrorKind::ScopeMissing => "Idempotency scope missing",
+            ErrorKind::QuotaExceeded => "Idempotency quota exceeded",
         }
     }
 }

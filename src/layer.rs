@@ -140,6 +140,7 @@ pub(crate) struct Config {
     pub(crate) unrecorded_headers: Vec<HeaderName>,
     pub(crate) policy: Arc<dyn RecordPolicy>,
     pub(crate) fail_open: bool,
+    pub(crate) quota_fail_open: bool,
     pub(crate) release_on_no_store: bool,
     pub(crate) wait: Option<Duration>,
     pub(crate) max_waiters: usize,
@@ -243,6 +244,7 @@ impl IdempotencyLayer {
                 unrecorded_headers: Vec::new(),
                 policy: Arc::new(DefaultRecordPolicy),
                 fail_open: false,
+                quota_fail_open: false,
                 release_on_no_store: false,
                 wait: None,
                 max_waiters: 1024,
@@ -393,6 +395,15 @@ impl IdempotencyLayer {
     /// A duplicate can then run twice: only for endpoints where that is safer than refusing.
     pub fn with_fail_open(self, fail_open: bool) -> Self {
         self.edit(|c| c.fail_open = fail_open)
+    }
+
+    /// When the store refuses a claim because the caller's scope is over its per-scope quota
+    /// (see [`MemoryStoreBuilder::max_records_per_scope`](crate::store::memory::MemoryStoreBuilder::max_records_per_scope)),
+    /// run that caller's request unprotected instead of answering 429
+    /// ([`ErrorKind::QuotaExceeded`](crate::ErrorKind::QuotaExceeded), gRPC
+    /// `RESOURCE_EXHAUSTED`). Default `false`. Other scopes are unaffected either way.
+    pub fn with_quota_fail_open(self, fail_open: bool) -> Self {
+        self.edit(|c| c.quota_fail_open = fail_open)
     }
 
     /// While the first attempt runs, make a retry wait up to `max` for its answer, then

@@ -189,7 +189,8 @@ pub use fingerprint::JsonPointer;
 pub use layer::{IdempotencyLayer, Retention, DEFAULT_STORE_TIMEOUT_MAX, MIN_LEASE};
 pub use policy::{DefaultRecordPolicy, RecordDecision, RecordPolicy, ResponseInfo};
 pub use record::{
-    Completion, DecodeError, Fingerprint, Record, RecordId, RecordState, StoredResponse, Token,
+    Completion, DecodeError, Fingerprint, Record, RecordId, RecordState, ScopeId, StoredResponse,
+    Token,
 };
 pub use service::{Idempotency, ResponseFuture};
 
@@ -205,6 +206,7 @@ pub use service::{Idempotency, ResponseFuture};
 /// | 409 | [`in-progress`](#in-progress) | the first request with this key still runs; `Retry-After` says when its lease ends | `ABORTED` |
 /// | 422 | [`key-reused`](#key-reused) | the key was used with a different request (body, path, method) | `FAILED_PRECONDITION` |
 /// | 410 | [`response-not-retained`](#response-not-retained) | the original completed, but its response was too large to keep | `ALREADY_EXISTS` |
+/// | 429 | [`quota-exceeded`](#quota-exceeded) | the caller's scope holds as many records as the store's per-scope quota allows | `RESOURCE_EXHAUSTED` |
 /// | 503 | [`store-unavailable`](#store-unavailable) | the store failed; nothing ran; `Retry-After: 1` | `UNAVAILABLE` |
 /// | 500 | [`scope-missing`](#scope-missing) | no scope configured, or the scope function found none | `INTERNAL` |
 ///
@@ -238,6 +240,10 @@ pub use service::{Idempotency, ResponseFuture};
 ///
 /// # response-not-retained
 /// The operation completed with `original_status`; it was not run again.
+///
+/// # quota-exceeded
+/// Your scope (tenant) holds as many idempotency records as the store allows it. Nothing was
+/// claimed or run. Records expire with the retention TTL; other tenants are not affected.
 ///
 /// # store-unavailable
 /// The request was not processed. Retry after `Retry-After` seconds.

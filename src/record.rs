@@ -53,6 +53,51 @@ impl RecordId {
     }
 }
 
+/// The scope a record belongs to, as a hash: what a store counts per-scope quotas by.
+///
+/// Like [`RecordId`], stores never see the scope itself. The unscoped space has an id of
+/// its own.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ScopeId([u8; 32]);
+
+impl ScopeId {
+    /// Derives the id of `scope` (`None` is the shared, unscoped space).
+    pub fn new(scope: Option<&str>) -> Self {
+        let mut h = Sha256::new();
+        h.update(b"tower-idempotency scope v1\0");
+        match scope {
+            None => h.update([0u8]),
+            Some(s) => {
+                h.update([1u8]);
+                h.update((s.len() as u64).to_be_bytes());
+                h.update(s.as_bytes());
+            }
+        }
+        Self(h.finalize().into())
+    }
+
+    /// Wraps 32 bytes read back from a store.
+    pub const fn from_bytes(bytes: [u8; 32]) -> Self {
+        Self(bytes)
+    }
+
+    /// The 32 raw bytes.
+    pub const fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
+    /// Lowercase hex, 64 characters.
+    pub fn to_hex(&self) -> String {
+        hex(&self.0)
+    }
+}
+
+impl fmt::Debug for ScopeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ScopeId({})", &self.to_hex()[..16])
+    }
+}
+
 impl fmt::Debug for RecordId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "RecordId({})", &self.to_hex()[..16])

@@ -28,7 +28,9 @@ use crate::fingerprint::fingerprint;
 use crate::key;
 use crate::layer::{Config, Scope};
 use crate::policy::{decide, is_grpc, RecordDecision, ResponseInfo};
-use crate::record::{self, Completion, Fingerprint, RecordId, RecordState, StoredResponse, Token};
+use crate::record::{
+    self, Completion, Fingerprint, RecordId, RecordState, ScopeId, StoredResponse, Token,
+};
 use crate::response;
 use crate::store::{Claim, ClaimOutcome, StoreError, StoreErrorKind};
 
@@ -611,7 +613,10 @@ impl Keyed {
             let pending = PendingClaim {
                 future: Some({
                     let (store, id, fp) = (cfg.store.clone(), self.id, self.fp);
-                    Box::pin(async move { store.claim(&id, &fp, lease, ttl).await })
+                    let scope = ScopeId::new(self.scope.as_deref());
+                    Box::pin(
+                        async move { store.claim_in_scope(&scope, &id, &fp, lease, ttl).await },
+                    )
                 }),
                 cfg: self.flow.cfg.clone(),
                 id: self.id,
@@ -620,6 +625,18 @@ impl Keyed {
             let record = match bounded(deadline(sent, timeout), pending).await {
                 Ok(ClaimOutcome::Claimed(claim)) => return Step::Claimed(claim, sent),
                 Ok(ClaimOutcome::Existing(record)) => record,
+                Err(e) if e.kind() == StoreErrorKind::QuotaExceeded => {
+                    outcome("over_quota");
+                    if cfg.quota_fail_open {
+                        tracing::warn!("idempotency scope over its quota; running unprotected (quota fail open)");
+                        return Step::FailOpen;
+                    }
+                    let err = IdempotencyError::new(
+                        ErrorKind::QuotaExceeded,
+                        "this caller holds as many idempotency records as it may; the request was not processed",
+                    );
+                    return Step::Answer(self.flow.error(err));
+                }
                 Err(e) if cfg.fail_open => {
                     outcome("store_error");
                     tracing::warn!(error = %Chain(&e), "idempotency store failed; running unprotected (fail open)");

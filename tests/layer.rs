@@ -406,6 +406,46 @@ async fn a_layer_with_no_scope_chosen_refuses_keyed_requests_and_runs_nothing() 
     assert_eq!(app.calls(), 1);
 }
 
+#[tokio::test]
+async fn a_tenant_over_its_quota_gets_429_and_other_tenants_are_served() {
+    for fail_open in [false, true] {
+        let app = App::default();
+        let store = MemoryStore::builder()
+            .max_records_per_scope(NonZeroUsize::new(2).unwrap())
+            .build();
+        let layer = IdempotencyLayer::new(store)
+            .with_scope(|req| {
+                req.headers
+                    .get("x-tenant")
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_owned)
+            })
+            .with_quota_fail_open(fail_open);
+        let s = svc(layer, &app);
+        let req = |tenant: &str, key: &str| {
+            let mut r = post("/x", Some(key), "{}");
+            r.headers_mut()
+                .insert("x-tenant", HeaderValue::from_str(tenant).unwrap());
+            r
+        };
+        for key in ["k1", "k2"] {
+            assert_eq!(call(&s, req("a", key)).await.status(), 201);
+        }
+        let over = call(&s, req("a", "k3")).await;
+        if fail_open {
+            assert_eq!(over.status(), 201, "runs unprotected");
+            assert!(over.headers().get("idempotent-replayed").is_none());
+        } else {
+            let v = assert_problem(over, 429, ErrorKind::QuotaExceeded).await;
+            assert_eq!(v["type"], ErrorKind::QuotaExceeded.type_uri());
+        }
+        assert_eq!(call(&s, req("b", "k3")).await.status(), 201, "tenant b");
+        let replay = call(&s, req("a", "k1")).await;
+        assert_eq!(replay.headers()["idempotent-replayed"], "true");
+        assert_eq!(app.calls(), if fail_open { 4 } else { 3 });
+    }
+}
+
 // 3. Request body ---------------------------------------------------------------------------
 
 #[tokio::test]
