@@ -206,3 +206,49 @@ async fn a_handler_records_its_answer_in_its_own_transaction_or_not_at_all() {
     assert_eq!((attempts.load(Ordering::SeqCst), count().await), (2, 1));
     schema.drop_now().await;
 }
+
+/// Collects the text of every ERROR event, fields included.
+#[derive(Clone, Default)]
+struct Errors(Arc<std::sync::Mutex<String>>);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Errors {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        struct Text<'a>(&'a mut String);
+        impl tracing::field::Visit for Text<'_> {
+            fn record_debug(&mut self, f: &tracing::field::Field, v: &dyn std::fmt::Debug) {
+                self.0.push_str(&format!("{}={v:?} ", f.name()));
+            }
+        }
+        if *event.metadata().level() == tracing::Level::ERROR {
+            event.record(&mut Text(&mut self.0.lock().unwrap()));
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_forgotten_migration_is_503_and_the_log_names_the_missing_table() {
+    use tracing_subscriber::layer::SubscriberExt;
+    let Some(url) = pg_support::url() else { return };
+    let errors = Errors::default();
+    let _guard =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(errors.clone()));
+    let table = format!("tidem_never_migrated_{}", std::process::id());
+    let store = PostgresStore::new(pg_support::pool(&url, 2, APP))
+        .with_table(&table)
+        .unwrap();
+    let verify = store.verify().await.expect_err("the table does not exist");
+    assert!(verify.to_string().contains("migrate"), "{verify}");
+
+    let svc = IdempotencyLayer::new(store).unscoped().layer(service_fn(
+        |_req: Request<RequestBody<Full<Bytes>>>| async {
+            Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"ran"))))
+        },
+    ));
+    let res = svc.oneshot(post("/pay", Some("k"), "{}")).await.unwrap();
+    assert_eq!(res.status(), 503);
+    let log = errors.0.lock().unwrap().clone();
+    assert!(
+        log.contains("does not exist"),
+        "the driver's cause reaches the log: {log}"
+    );
+}

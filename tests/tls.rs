@@ -27,6 +27,7 @@ struct Certs {
 }
 
 fn make_certs(dir: &Path) -> Certs {
+    std::fs::create_dir_all(dir).unwrap();
     let ca_key = KeyPair::generate().unwrap();
     let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
     ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
@@ -296,31 +297,40 @@ async fn postgres_over_tls_honours_sslmode_and_verifies_the_server() {
         return;
     };
 
-    // sslmode=require with the test CA: encrypted, and the store works.
-    let store = PostgresStore::connect_with_tls(&cluster.url("require"), trusting(&certs.ca_der))
+    // `connect` with sslmode=require: encrypted (libpq's meaning: not verified).
+    let store = PostgresStore::connect(&cluster.url("require"))
         .await
-        .expect("TLS with the test CA");
+        .unwrap();
     assert!(encrypted(&store).await, "sslmode=require is encrypted");
-    store.migrate().await.unwrap();
-    round_trip(&store, "postgres").await;
-
     // sslmode=prefer (the default) uses TLS when the server offers it.
-    let store = PostgresStore::connect_with_tls(&cluster.url("prefer"), trusting(&certs.ca_der))
+    let store = PostgresStore::connect(&cluster.url("prefer"))
         .await
         .unwrap();
     assert!(
         encrypted(&store).await,
         "sslmode=prefer is encrypted when offered"
     );
-
     // sslmode=disable stays plaintext, as asked.
-    let store = PostgresStore::connect_with_tls(&cluster.url("disable"), trusting(&certs.ca_der))
+    let store = PostgresStore::connect(&cluster.url("disable"))
         .await
         .unwrap();
     assert!(!encrypted(&store).await, "sslmode=disable is plaintext");
 
-    // `connect` trusts the platform's roots only: the test CA is refused, never ignored.
-    let untrusted = PostgresStore::connect(&cluster.url("require")).await;
-    assert!(untrusted.is_err(), "an unknown CA must be refused");
+    // connect_with_tls verifies: the CA that signed the server's certificate is accepted,
+    // and the store works end to end.
+    let store = PostgresStore::connect_with_tls(&cluster.url("require"), trusting(&certs.ca_der))
+        .await
+        .expect("TLS with the test CA");
+    assert!(encrypted(&store).await);
+    store.migrate().await.unwrap();
+    round_trip(&store, "postgres").await;
+    // Another CA is refused: the certificate is checked, never ignored.
+    let other = make_certs(&root.join("other"));
+    let refused =
+        PostgresStore::connect_with_tls(&cluster.url("require"), trusting(&other.ca_der)).await;
+    assert!(
+        refused.is_err(),
+        "a certificate from another CA must be refused"
+    );
     drop(cluster);
 }

@@ -286,6 +286,7 @@ pub(crate) fn idempotency(
         .with_retention(config.retention)
         .with_grpc()
         .with_grpc_passthrough(COUNT_CHARGES)
+        .expect("a gRPC method path")
         // One key space per caller, as authenticated outside this layer.
         .with_scope(|req| req.extensions.get::<Principal>().map(|p| p.0.clone()))
 }

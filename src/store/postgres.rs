@@ -308,15 +308,69 @@ pub struct PostgresStore {
     retries: Arc<AtomicU64>,
 }
 
-/// A rustls client configuration over `roots`, with the ring provider (rustls only; the
-/// crate never links OpenSSL).
+/// libpq's `prefer` and `require`: TLS with the ring provider (never OpenSSL), the
+/// handshake's signatures checked, the certificate chain and name not.
 #[cfg(feature = "postgres-tls")]
-fn client_config(roots: rustls::RootCertStore) -> rustls::ClientConfig {
-    rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+fn encrypt_only_config() -> rustls::ClientConfig {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    rustls::ClientConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
         .expect("ring supports the default protocol versions")
-        .with_root_certificates(roots)
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(EncryptOnly(provider)))
         .with_no_client_auth()
+}
+
+/// Accepts any server certificate (libpq's `sslmode=require`), but still checks that the
+/// server holds the certificate's key.
+#[cfg(feature = "postgres-tls")]
+#[derive(Debug)]
+struct EncryptOnly(Arc<rustls::crypto::CryptoProvider>);
+
+#[cfg(feature = "postgres-tls")]
+impl rustls::client::danger::ServerCertVerifier for EncryptOnly {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &rustls::pki_types::CertificateDer<'_>,
+        _intermediates: &[rustls::pki_types::CertificateDer<'_>],
+        _server_name: &rustls::pki_types::ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        Ok(rustls::client::danger::ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
 }
 
 /// What `connect` built its pool from.
@@ -1072,13 +1126,15 @@ impl PostgresStore {
     /// Connects to `url` (a `postgres://` URL or a key-value string) with a pool of 16
     /// connections, and checks that one connection opens.
     ///
-    /// TLS: with the `postgres-tls` feature, connections use rustls with the platform's
-    /// root certificates, as the URL's `sslmode` says: `disable` (plaintext), `prefer` (the
-    /// default: TLS when the server offers it) or `require` (TLS or no connection). The
-    /// server's certificate and host name are always verified when TLS is used. For another
-    /// CA or a client certificate, use [`connect_with_tls`](Self::connect_with_tls). Without
-    /// the feature connections are plaintext: `prefer` falls back to plaintext and `require`
-    /// fails. Use `sslmode=require` wherever the network is shared.
+    /// TLS: with the `postgres-tls` feature, connections use rustls as the URL's `sslmode`
+    /// says, with libpq's meaning: `disable` (plaintext), `prefer` (the default: TLS when the
+    /// server offers it) or `require` (TLS or no connection). As in libpq, these modes
+    /// encrypt but do not verify the server's certificate, so they work with any server
+    /// (self-signed, a managed service's private CA) and stop eavesdroppers, not an active
+    /// man in the middle. To verify the server (libpq's `verify-full`), use
+    /// [`connect_with_tls`](Self::connect_with_tls) with the CA that signed its certificate.
+    /// Without the feature connections are plaintext: `prefer` falls back to plaintext and
+    /// `require` fails.
     ///
     /// The connections' `application_name` is `tower-idempotency` unless the URL sets one.
     /// Their `statement_timeout` and `lock_timeout` sit just below the store's
@@ -1087,23 +1143,19 @@ impl PostgresStore {
     /// For other pool settings, build a [`Pool`] and use [`PostgresStore::new`].
     pub async fn connect(url: &str) -> Result<Self, SetupError> {
         #[cfg(feature = "postgres-tls")]
-        let tls = {
-            let mut roots = rustls::RootCertStore::empty();
-            // Certificates the platform cannot parse are skipped, as browsers do.
-            let native = rustls_native_certs::load_native_certs();
-            roots.add_parsable_certificates(native.certs);
-            Tls::Rustls(tokio_postgres_rustls::MakeRustlsConnect::new(
-                client_config(roots),
-            ))
-        };
+        let tls = Tls::Rustls(tokio_postgres_rustls::MakeRustlsConnect::new(
+            encrypt_only_config(),
+        ));
         #[cfg(not(feature = "postgres-tls"))]
         let tls = Tls::None;
         Self::connect_owned(url, tls).await
     }
 
-    /// Like [`connect`](Self::connect), with your rustls configuration: your own root
-    /// certificates (a private CA), a client certificate, or other settings. `sslmode` in the
-    /// URL still decides whether TLS is used.
+    /// Like [`connect`](Self::connect), with your rustls configuration, which verifies the
+    /// server's certificate and host name against your root certificates (a private CA such
+    /// as a managed service's bundle), and may carry a client certificate. `sslmode` in the
+    /// URL still decides whether TLS is used: give `require`, so that no connection falls
+    /// back to plaintext.
     ///
     /// ```no_run
     /// # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error>> {
