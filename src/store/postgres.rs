@@ -1564,8 +1564,15 @@ impl PostgresStore {
                 // server (on a connection of its own, in the background, so this operation
                 // keeps its deadline), and never reuse this connection.
                 let cancel = client.cancel_token();
+                // The cancel request goes as the connection went: over TLS when it did.
+                let tls = self.config.as_ref().map_or(Tls::None, |o| o.tls.clone());
                 tokio::spawn(async move {
-                    if let Err(e) = cancel.cancel_query(tokio_postgres::NoTls).await {
+                    let sent = match tls {
+                        Tls::None => cancel.cancel_query(tokio_postgres::NoTls).await,
+                        #[cfg(feature = "postgres-tls")]
+                        Tls::Rustls(tls) => cancel.cancel_query(tls).await,
+                    };
+                    if let Err(e) = sent {
                         tracing::debug!(error = %e, "could not cancel a timed-out statement");
                     }
                 });
