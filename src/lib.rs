@@ -139,6 +139,9 @@
 //! - Fingerprints are versioned (`v1`); a future version would make in-flight retries across
 //!   an upgrade answer `422`.
 //!
+//! [`guarantees`] spells out each window, the arithmetic behind the lease, renewal interval,
+//! store deadline and TTL, and every rejected input with its exact response.
+//!
 //! Errors the layer makes are responses, never `Err`: `problem+json` (RFC 9457) with a stable
 //! `type` per kind ([`problems`]) and `Cache-Control: no-store`, or a gRPC status for gRPC
 //! requests. The typed [`IdempotencyError`] is in the response extensions.
@@ -221,6 +224,9 @@ pub mod problems {}
 
 #[doc = include_str!("docs/tonic.md")]
 pub mod tonic_guide {}
+
+#[doc = include_str!("docs/guarantees.md")]
+pub mod guarantees {}
 
 /// Not public API: hooks for the benchmarks.
 #[doc(hidden)]
