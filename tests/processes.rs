@@ -327,7 +327,8 @@ async fn a_killed_holder_is_taken_over_once_after_its_lease_on_postgres() {
 async fn pause(store: &str, label: &str) {
     let http = client();
     let api_key = unique(label);
-    let a = Shop::start(store, LEASE_MS, 1000).await;
+    // The charge takes 3 s, so A is still inside it when it is stopped.
+    let a = Shop::start(store, LEASE_MS, 3000).await;
     let b = Shop::start(store, LEASE_MS, 50).await;
     // Three charges on A first, so its next payment id differs from B's first.
     for i in 0..3 {
