@@ -116,8 +116,10 @@ async fn faults(label: &str, proxy: &FaultProxy, store: Arc<dyn IdempotencyStore
     // A claim whose reply is lost with its connection: the store reads back, so the key runs
     // at most once, and once settled it replays.
     let key = format!("{run}-lost-claim-reply");
+    let faults = proxy.faults();
     proxy.set(Dir::Down, Mode::LoseNextThenCut);
     let first = send(&a.svc, "/pay", &key).await;
+    assert!(proxy.faults() > faults, "{key}: no reply was lost");
     proxy.heal();
     assert!(
         [StatusCode::CREATED, StatusCode::SERVICE_UNAVAILABLE].contains(&first.0),
