@@ -112,6 +112,7 @@ impl Default for Retention {
 }
 
 pub(crate) type ScopeFn = Arc<dyn Fn(&request::Parts) -> Option<String> + Send + Sync>;
+pub(crate) type FilterFn = Arc<dyn Fn(&request::Parts) -> bool + Send + Sync>;
 pub(crate) type Renderer = Arc<dyn Fn(&IdempotencyError) -> Response<Bytes> + Send + Sync>;
 
 #[derive(Clone)]
@@ -119,6 +120,7 @@ pub(crate) struct Config {
     pub(crate) store: Arc<dyn IdempotencyStore>,
     pub(crate) header: HeaderName,
     pub(crate) methods: Vec<Method>,
+    pub(crate) filter: Option<FilterFn>,
     pub(crate) key_required: bool,
     pub(crate) scope: Option<ScopeFn>,
     pub(crate) max_request_body: usize,
@@ -130,6 +132,7 @@ pub(crate) struct Config {
     pub(crate) fail_open: bool,
     pub(crate) release_on_no_store: bool,
     pub(crate) wait: Option<Duration>,
+    pub(crate) in_progress_retry_after: Duration,
     pub(crate) renderer: Option<Renderer>,
     pub(crate) max_grpc_request_body: usize,
     pub(crate) grpc_methods: Option<Vec<String>>,
@@ -144,6 +147,28 @@ pub(crate) const DEFAULT_GRPC_PASSTHROUGH: [&str; 3] = [
     "/grpc.reflection.v1alpha.ServerReflection/",
 ];
 
+/// Checks that `path` is `/package.Service/Method` or, for a whole service,
+/// `/package.Service/`: what a gRPC request's path can be.
+fn grpc_path(path: String) -> Result<String, ConfigError> {
+    let valid = path.strip_prefix('/').is_some_and(|rest| {
+        let mut parts = rest.split('/');
+        let service = parts.next().unwrap_or_default();
+        let method = parts.next();
+        let visible = |s: &str| s.bytes().all(|b| b.is_ascii_graphic() && b != b'/');
+        !service.is_empty()
+            && visible(service)
+            && method.is_some_and(visible)
+            && parts.next().is_none()
+    });
+    if valid {
+        Ok(path)
+    } else {
+        Err(ConfigError::new(format!(
+            "{path:?} is not a gRPC method path (`/package.Service/Method`) or service (`/package.Service/`)"
+        )))
+    }
+}
+
 /// `pattern` names one method (`/pkg.Service/Method`) or, ending in `/`, a whole service.
 fn grpc_path_matches(pattern: &str, path: &str) -> bool {
     if pattern.ends_with('/') {
@@ -154,6 +179,20 @@ fn grpc_path_matches(pattern: &str, path: &str) -> bool {
 }
 
 impl Config {
+    /// The response headers a record keeps: the one rule for the layer and for handlers
+    /// that record their own answer.
+    pub(crate) fn recorded_headers(
+        &self,
+        grpc: bool,
+        headers: &http::HeaderMap,
+    ) -> http::HeaderMap {
+        if grpc {
+            crate::response::grpc_recorded_headers(headers)
+        } else {
+            crate::response::recorded_headers(headers, &self.recorded_headers)
+        }
+    }
+
     /// Whether a gRPC request to `path` is protected: in `grpc_methods` (all when unset)
     /// and not in `grpc_passthrough`.
     pub(crate) fn grpc_protected(&self, path: &str) -> bool {
@@ -212,6 +251,7 @@ impl IdempotencyLayer {
                 store,
                 header: HeaderName::from_static("idempotency-key"),
                 methods: vec![Method::POST, Method::PATCH],
+                filter: None,
                 key_required: true,
                 scope: None,
                 max_request_body: 1 << 20,
@@ -223,6 +263,7 @@ impl IdempotencyLayer {
                 fail_open: false,
                 release_on_no_store: false,
                 wait: None,
+                in_progress_retry_after: Duration::MAX,
                 renderer: None,
                 max_grpc_request_body: 4 << 20,
                 grpc_methods: None,
@@ -244,6 +285,30 @@ impl IdempotencyLayer {
     /// The methods the layer protects (default `POST`, `PATCH`). Others pass through untouched.
     pub fn with_methods(self, methods: impl IntoIterator<Item = Method>) -> Self {
         self.edit(|c| c.methods = methods.into_iter().collect())
+    }
+
+    /// Protects only the requests `filter` selects; every other request passes through
+    /// untouched (no key needed, no buffering, no store call), like a method not in
+    /// [`with_methods`](Self::with_methods). Runs after the method check, on every request of
+    /// a protected method.
+    ///
+    /// For a router-wide layer with a route that must not be protected, such as a webhook
+    /// that arrives without a key:
+    ///
+    /// ```
+    /// # use tower_idempotency::{store::MemoryStore, IdempotencyLayer};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .with_filter(|req| !req.uri.path().starts_with("/webhooks/"));
+    /// # drop(layer);
+    /// ```
+    ///
+    /// With axum, the layer can also sit on the routes that need it alone, as in
+    /// `post(create_payment).layer(idempotency)`; see the crate docs.
+    pub fn with_filter<F>(self, filter: F) -> Self
+    where
+        F: Fn(&request::Parts) -> bool + Send + Sync + 'static,
+    {
+        self.edit(|c| c.filter = Some(Arc::new(filter)))
     }
 
     /// Whether a protected request without a key is refused with 400 (default `true`).
@@ -345,6 +410,16 @@ impl IdempotencyLayer {
         self.edit(|c| c.wait = Some(max))
     }
 
+    /// Caps the `Retry-After` of a 409 in-progress answer (gRPC: the `RetryInfo` delay) at
+    /// `max`. By default it is the remaining lease: the time after which a retry surely
+    /// makes progress (the answer is recorded, or the lease lapsed and the retry takes
+    /// over). For handlers much faster than the lease, a shorter hint lets clients come back
+    /// sooner, at the cost of more 409s; [`with_wait`](Self::with_wait) avoids the round
+    /// trips altogether.
+    pub fn with_in_progress_retry_after(self, max: Duration) -> Self {
+        self.edit(|c| c.in_progress_retry_after = max)
+    }
+
     /// Renders the layer's HTTP errors yourself. The typed [`IdempotencyError`] also goes into
     /// the response extensions, whichever renderer is used.
     ///
@@ -364,13 +439,19 @@ impl IdempotencyLayer {
     /// streaming methods is safest with an explicit list of the methods that change state.
     /// Each entry is a method path (`/shop.v1.Payments/CreatePayment`) or, ending in `/`, a
     /// whole service (`/shop.v1.Payments/`). Calling it again replaces the list.
-    pub fn with_grpc_methods<I, P>(self, paths: I) -> Self
+    ///
+    /// A path that cannot name a gRPC method or service (no leading `/`, no service part,
+    /// more than one method part) is refused.
+    pub fn with_grpc_methods<I, P>(self, paths: I) -> Result<Self, ConfigError>
     where
         I: IntoIterator<Item = P>,
         P: Into<String>,
     {
-        let paths = paths.into_iter().map(Into::into).collect();
-        self.edit(|c| c.grpc_methods = Some(paths))
+        let paths = paths
+            .into_iter()
+            .map(|p| grpc_path(p.into()))
+            .collect::<Result<_, _>>()?;
+        Ok(self.edit(|c| c.grpc_methods = Some(paths)))
     }
 
     /// Lets a gRPC method (`/package.Service/Method`), or a whole service (`/package.Service/`,
@@ -382,9 +463,12 @@ impl IdempotencyLayer {
     /// forever for the request to end), long-lived server streams and reads that need no
     /// key. Health checks (`/grpc.health.v1.Health/`) and server reflection are on the list
     /// from the start. The list wins over [`with_grpc_methods`](Self::with_grpc_methods).
-    pub fn with_grpc_passthrough(self, path: impl Into<String>) -> Self {
-        let path = path.into();
-        self.edit(|c| c.grpc_passthrough.push(path))
+    ///
+    /// A path that cannot name a gRPC method or service is refused, as in
+    /// [`with_grpc_methods`](Self::with_grpc_methods).
+    pub fn with_grpc_passthrough(self, path: impl Into<String>) -> Result<Self, ConfigError> {
+        let path = grpc_path(path.into())?;
+        Ok(self.edit(|c| c.grpc_passthrough.push(path)))
     }
 }
 
@@ -437,6 +521,26 @@ mod tests {
     }
 
     #[test]
+    fn names_that_cannot_be_grpc_paths_are_refused() {
+        let layer = || IdempotencyLayer::new(crate::store::MemoryStore::new());
+        for bad in [
+            "shop.v1.Payments/Create",
+            "/shop.v1.Payments",
+            "//Create",
+            "/shop.v1.Payments/Create/extra",
+            "/shop v1.Payments/Create",
+            "",
+        ] {
+            assert!(layer().with_grpc_methods([bad]).is_err(), "{bad:?}");
+            assert!(layer().with_grpc_passthrough(bad).is_err(), "{bad:?}");
+        }
+        for good in ["/shop.v1.Payments/Create", "/shop.v1.Payments/"] {
+            assert!(layer().with_grpc_methods([good]).is_ok(), "{good:?}");
+            assert!(layer().with_grpc_passthrough(good).is_ok(), "{good:?}");
+        }
+    }
+
+    #[test]
     fn grpc_methods_are_all_protected_except_health_reflection_and_the_passthrough_list() {
         let store = crate::store::MemoryStore::new();
         let c = config(IdempotencyLayer::new(store.clone()));
@@ -448,7 +552,9 @@ mod tests {
         let c = config(
             IdempotencyLayer::new(store.clone())
                 .with_grpc_passthrough("/shop.v1.Payments/CountCharges")
-                .with_grpc_passthrough("/shop.v1.Chat/"),
+                .unwrap()
+                .with_grpc_passthrough("/shop.v1.Chat/")
+                .unwrap(),
         );
         assert!(c.grpc_protected("/shop.v1.Payments/CreatePayment"));
         assert!(!c.grpc_protected("/shop.v1.Payments/CountCharges"));
@@ -461,7 +567,9 @@ mod tests {
         let c = config(
             IdempotencyLayer::new(store)
                 .with_grpc_methods(["/shop.v1.Payments/", "/shop.v1.Orders/Create"])
-                .with_grpc_passthrough("/shop.v1.Payments/CountCharges"),
+                .unwrap()
+                .with_grpc_passthrough("/shop.v1.Payments/CountCharges")
+                .unwrap(),
         );
         assert!(c.grpc_protected("/shop.v1.Payments/CreatePayment"));
         assert!(c.grpc_protected("/shop.v1.Orders/Create"));

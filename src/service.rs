@@ -113,6 +113,20 @@ where
         if !eligible {
             return ResponseFuture::passthrough(self.inner.call(req.map(RequestBody::stream)));
         }
+        let req = match &cfg.filter {
+            None => req,
+            Some(filter) => {
+                let (parts, body) = req.into_parts();
+                let selected = filter(&parts);
+                let req = Request::from_parts(parts, body);
+                if !selected {
+                    return ResponseFuture::passthrough(
+                        self.inner.call(req.map(RequestBody::stream)),
+                    );
+                }
+                req
+            }
+        };
         // 2. Key.
         let key = match key::extract(req.headers(), &cfg.header) {
             Ok(Some(key)) => key,
@@ -221,7 +235,7 @@ impl Flow {
             Some(f) => match f(&parts) {
                 Some(s) => Some(s.into()),
                 None => {
-                    tracing::error!("idempotency scope function returned None; is the layer ordered before auth?");
+                    tracing::error!("idempotency scope function returned None: the idempotency layer runs before the layer that sets the scope. Put authentication outside it: with axum, call `.layer(auth)` after `.layer(idempotency)` (the last `.layer()` call is the outermost); with ServiceBuilder or tonic, list the auth layer first");
                     let err = IdempotencyError::new(
                         ErrorKind::ScopeMissing,
                         "the request's idempotency scope could not be determined",
@@ -556,7 +570,7 @@ impl Keyed {
                         ErrorKind::InProgress,
                         "a request with this idempotency key is still being processed",
                     )
-                    .retry_after(lease_remaining);
+                    .retry_after(lease_remaining.min(cfg.in_progress_retry_after));
                     return Step::Answer(self.flow.error(err));
                 }
             }
@@ -607,6 +621,8 @@ impl Keyed {
             self.id,
             self.fp,
             token,
+            self.flow.cfg.clone(),
+            self.flow.grpc,
         );
         parts.extensions.insert(ctx);
         let req = Request::from_parts(parts, RequestBody::buffered(bytes));
@@ -728,11 +744,7 @@ impl Keyed {
                         outcome("executed");
                         let stored = StoredResponse {
                             status: parts.status,
-                            headers: if self.flow.grpc {
-                                response::grpc_recorded_headers(&parts.headers)
-                            } else {
-                                response::recorded_headers(&parts.headers, &cfg.recorded_headers)
-                            },
+                            headers: cfg.recorded_headers(self.flow.grpc, &parts.headers),
                             body: data.clone(),
                             trailers: trailers.clone(),
                         };

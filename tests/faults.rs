@@ -549,7 +549,8 @@ fn capture_errors() -> (Errors, tracing::subscriber::DefaultGuard) {
 }
 
 /// A handler that completes its own record (as `complete_in` does inside a transaction),
-/// then outlives a renewal before answering; `/lie` only claims to have.
+/// then outlives a renewal before answering; `/lie` only claims to have, and `/unmarked`
+/// does not say so.
 fn self_recording(store: Arc<FaultStore>) -> Svc {
     let layer = IdempotencyLayer::from_arc(store.clone()).with_retention(retention());
     BoxCloneService::new(
@@ -627,6 +628,26 @@ async fn already_recorded_without_a_record_is_logged_as_an_error() {
         errors
             .iter()
             .any(|e| e.contains("AlreadyRecorded") && e.contains("not completed")),
+        "{errors:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_self_recorded_answer_without_the_marker_is_not_reported_as_a_takeover() {
+    let (errors, _guard) = capture_errors();
+    let store = FaultStore::new(MemoryStore::new());
+    let s = self_recording(store.clone());
+    assert_eq!(
+        call(s.clone(), post("/unmarked", Some("k"), "{}"))
+            .await
+            .status(),
+        201
+    );
+    let replay = call(s.clone(), post("/unmarked", Some("k"), "{}")).await;
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    let errors = errors.0.lock().unwrap();
+    assert!(
+        !errors.iter().any(|e| e.contains("took over")),
         "{errors:?}"
     );
 }

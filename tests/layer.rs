@@ -1088,6 +1088,21 @@ async fn a_response_body_that_fails_is_released_and_the_error_reaches_the_client
     assert_eq!(app.calls(), 2, "released: the retry ran again");
 }
 
+#[tokio::test]
+async fn the_in_progress_retry_after_can_be_capped() {
+    let app = App::default();
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .with_in_progress_retry_after(Duration::from_millis(1500));
+    let s = svc(layer, &app);
+    let first = tokio::spawn(call(&s, post("/gated", Some("k"), "{}")));
+    app.started.notified().await;
+    let res = call(&s, post("/gated", Some("k"), "{}")).await;
+    assert_eq!(res.status(), 409);
+    assert_eq!(res.headers()["retry-after"], "2", "1.5 s, rounded up");
+    app.gate.notify_one();
+    first.await.unwrap();
+}
+
 // 10. Errors -------------------------------------------------------------------------------
 
 #[tokio::test]

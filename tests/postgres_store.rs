@@ -6,7 +6,7 @@
 #![cfg(feature = "postgres")]
 
 mod common;
-mod conformance;
+use tower_idempotency::{conformance, conformance_suite};
 mod pg_support;
 
 use std::sync::Arc;

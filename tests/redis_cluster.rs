@@ -6,7 +6,7 @@
 #![cfg(feature = "redis")]
 
 mod common;
-mod conformance;
+use tower_idempotency::{conformance, conformance_suite};
 mod redis_harness;
 
 use std::sync::{Arc, OnceLock};

@@ -4,7 +4,7 @@
 #![cfg(feature = "redis")]
 
 mod common;
-mod conformance;
+use tower_idempotency::{conformance, conformance_suite};
 mod redis_harness;
 
 use std::num::NonZeroU32;

@@ -38,88 +38,163 @@
 //! # Implementing a custom store
 //!
 //! The claim has no default body: use the backend's own atomic primitive (a Lua script, an
-//! `INSERT … ON CONFLICT`, a conditional put). This toy store shows the shape; it keeps
-//! everything under one lock and never expires anything.
+//! `INSERT … ON CONFLICT`, a conditional put). This toy store shows the whole contract under
+//! one lock: leases, takeover, fencing, retention, and `complete`/`release` that answer `Ok`
+//! when resent. It passes the [conformance suite](crate::conformance) (feature
+//! `conformance`), which runs at the end of the example; run the suite on your own store the
+//! same way, or with [`conformance_suite!`](crate::conformance_suite) in a test file.
 //!
 //! ```
-//! use std::{collections::HashMap, sync::Mutex, time::Duration};
-//! use async_trait::async_trait;
+//! use std::{collections::HashMap, sync::Mutex, time::{Duration, Instant}};
 //! use tower_idempotency::store::{
-//!     Claim, ClaimOutcome, IdempotencyStore, StoreError, StoreErrorKind,
+//!     async_trait, Claim, ClaimOutcome, IdempotencyStore, StoreError, StoreErrorKind,
 //! };
 //! use tower_idempotency::{Completion, Fingerprint, Record, RecordId, RecordState, Token};
 //!
+//! struct Entry {
+//!     fingerprint: Fingerprint,
+//!     token: Token,
+//!     lease_until: Instant,
+//!     expires_at: Instant,
+//!     done: Option<Completion>,
+//! }
+//!
+//! impl Entry {
+//!     fn record(&self, now: Instant) -> Record {
+//!         let state = match &self.done {
+//!             Some(done) => RecordState::Completed(done.clone()),
+//!             None => RecordState::InProgress {
+//!                 lease_remaining: self.lease_until.saturating_duration_since(now),
+//!             },
+//!         };
+//!         Record { fingerprint: self.fingerprint, generation: self.token.generation(), state }
+//!     }
+//! }
+//!
+//! /// One clock (a monotonic `Instant`), one lock, and no size limit: a toy.
 //! #[derive(Default)]
-//! struct ToyStore(Mutex<HashMap<RecordId, (Token, Record)>>);
+//! struct ToyStore(Mutex<HashMap<RecordId, Entry>>);
+//!
+//! /// `now + d` without overflowing on a "keep forever" duration.
+//! fn after(now: Instant, d: Duration) -> Instant {
+//!     now.checked_add(d).unwrap_or(now + Duration::from_secs(100 * 365 * 86_400))
+//! }
+//!
+//! impl ToyStore {
+//!     /// The live entry of `id` held by `token`, or `Fenced`. Expired entries are absent.
+//!     fn held<'a>(map: &'a mut HashMap<RecordId, Entry>, id: &RecordId, token: &Token, now: Instant)
+//!         -> Result<Option<&'a mut Entry>, StoreError>
+//!     {
+//!         match map.get_mut(id) {
+//!             Some(e) if e.expires_at > now && e.token == *token => Ok(Some(e)),
+//!             Some(e) if e.expires_at > now => Err(StoreError::new(StoreErrorKind::Fenced)),
+//!             _ => Ok(None),
+//!         }
+//!     }
+//! }
 //!
 //! #[async_trait]
 //! impl IdempotencyStore for ToyStore {
-//!     async fn claim(&self, id: &RecordId, fp: &Fingerprint, lease: Duration, _ttl: Duration)
+//!     async fn claim(&self, id: &RecordId, fp: &Fingerprint, lease: Duration, ttl: Duration)
 //!         -> Result<ClaimOutcome, StoreError>
 //!     {
+//!         let now = Instant::now();
 //!         let mut map = self.0.lock().unwrap();
-//!         if let Some((_, record)) = map.get(id) {
-//!             return Ok(ClaimOutcome::Existing(record.clone()));
+//!         if let Some(e) = map.get_mut(id).filter(|e| e.expires_at > now) {
+//!             let lapsed = e.done.is_none() && e.lease_until <= now;
+//!             if !lapsed || e.fingerprint != *fp {
+//!                 return Ok(ClaimOutcome::Existing(e.record(now)));
+//!             }
+//!             // Takeover: the same request, and its holder went quiet for a whole lease.
+//!             e.token = Token::generate(e.token.generation() + 1)?;
+//!             e.lease_until = after(now, lease);
+//!             e.expires_at = e.expires_at.max(e.lease_until);
+//!             return Ok(ClaimOutcome::Claimed(Claim { token: e.token, takeover: true }));
 //!         }
 //!         // A failed OS random source fails the claim; never use a fixed nonce.
 //!         let token = Token::generate(1)?;
-//!         let record = Record {
+//!         let entry = Entry {
 //!             fingerprint: *fp,
-//!             generation: 1,
-//!             state: RecordState::InProgress { lease_remaining: lease },
+//!             token,
+//!             lease_until: after(now, lease),
+//!             // An in-progress record is kept max(lease, ttl).
+//!             expires_at: after(now, lease.max(ttl)),
+//!             done: None,
 //!         };
-//!         map.insert(*id, (token, record));
+//!         map.insert(*id, entry);
 //!         Ok(ClaimOutcome::Claimed(Claim { token, takeover: false }))
 //!     }
 //!
-//!     async fn extend(&self, id: &RecordId, token: &Token, _lease: Duration) -> Result<(), StoreError> {
-//!         match self.0.lock().unwrap().get(id) {
-//!             Some((held, _)) if held == token => Ok(()),
+//!     async fn extend(&self, id: &RecordId, token: &Token, lease: Duration) -> Result<(), StoreError> {
+//!         let now = Instant::now();
+//!         let mut map = self.0.lock().unwrap();
+//!         match Self::held(&mut map, id, token, now)? {
+//!             Some(e) if e.done.is_none() => {
+//!                 e.lease_until = after(now, lease);
+//!                 e.expires_at = e.expires_at.max(e.lease_until);
+//!                 Ok(())
+//!             }
 //!             _ => Err(StoreError::new(StoreErrorKind::Fenced)),
 //!         }
 //!     }
 //!
-//!     async fn complete(&self, id: &RecordId, token: &Token, done: &Completion, _ttl: Duration)
+//!     async fn complete(&self, id: &RecordId, token: &Token, done: &Completion, ttl: Duration)
 //!         -> Result<(), StoreError>
 //!     {
-//!         match self.0.lock().unwrap().get_mut(id) {
-//!             // Completing again with the same token (a resend) is fine: same answer.
-//!             Some((held, record)) if held == token => {
-//!                 record.state = RecordState::Completed(done.clone());
+//!         let now = Instant::now();
+//!         let mut map = self.0.lock().unwrap();
+//!         match Self::held(&mut map, id, token, now)? {
+//!             // The TTL counts from completion.
+//!             Some(e) if e.done.is_none() => {
+//!                 e.done = Some(done.clone());
+//!                 e.expires_at = after(now, ttl);
 //!                 Ok(())
 //!             }
-//!             _ => Err(StoreError::new(StoreErrorKind::Fenced)),
+//!             // Completed by this token already (a resend after a lost reply): the first
+//!             // answer stands.
+//!             Some(_) => Ok(()),
+//!             None => Err(StoreError::new(StoreErrorKind::Fenced)),
 //!         }
 //!     }
 //!
 //!     async fn release(&self, id: &RecordId, token: &Token) -> Result<(), StoreError> {
+//!         let now = Instant::now();
 //!         let mut map = self.0.lock().unwrap();
-//!         match map.get(id) {
-//!             Some((held, _)) if held == token => {
+//!         match Self::held(&mut map, id, token, now)? {
+//!             Some(e) if e.done.is_none() => {
 //!                 map.remove(id);
 //!                 Ok(())
 //!             }
+//!             Some(_) => Err(StoreError::new(StoreErrorKind::Fenced)),
 //!             // Gone: released by an earlier attempt of this call; the key is free.
 //!             None => Ok(()),
-//!             _ => Err(StoreError::new(StoreErrorKind::Fenced)),
 //!         }
 //!     }
 //!
 //!     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
-//!         Ok(self.0.lock().unwrap().get(id).map(|(_, r)| r.clone()))
+//!         let now = Instant::now();
+//!         let map = self.0.lock().unwrap();
+//!         Ok(map.get(id).filter(|e| e.expires_at > now).map(|e| e.record(now)))
 //!     }
 //! }
 //!
 //! let layer = tower_idempotency::IdempotencyLayer::new(ToyStore::default());
 //! # drop(layer);
+//!
+//! // The store contract, checked (about five seconds: leases and TTLs run in real time).
+//! #[cfg(feature = "conformance")]
+//! tokio::runtime::Runtime::new().unwrap().block_on(
+//!     tower_idempotency::conformance::run_all(
+//!         || async { std::sync::Arc::new(ToyStore::default()) as _ },
+//!         None,
+//!     ),
+//! );
 //! ```
 
 use std::error::Error as StdError;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
-
-use async_trait::async_trait;
 
 use crate::record::{Completion, Fingerprint, Record, RecordId, Token};
 
@@ -134,6 +209,9 @@ pub mod redis;
 pub mod postgres;
 
 pub use memory::MemoryStore;
+
+/// Re-exported for store authors: the trait's methods are `#[async_trait]`.
+pub use async_trait::async_trait;
 
 /// What [`IdempotencyStore::claim`] found.
 // Built once per request and moved a few times; boxing would allocate on every replay.

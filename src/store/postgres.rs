@@ -138,42 +138,37 @@
 //! that already has the latest renewal, and renewals wait for your commit. Under `READ
 //! COMMITTED` (Postgres's default) neither is needed.
 //!
+//! Use a pool of its own for business transactions: the store's pool also carries every
+//! claim and renewal, and a handler holding its connections can starve them.
+//!
 //! ```no_run
-//! use std::time::Duration;
 //! use bytes::Bytes;
-//! use http::{header, HeaderMap, HeaderValue, Request, Response, StatusCode};
+//! use tower_idempotency::store::postgres::deadpool_postgres::Pool;
+//! use http::{header, Request, Response, StatusCode};
 //! use tower_idempotency::store::postgres::PostgresStore;
-//! use tower_idempotency::{Completion, IdempotencyContext, RecordDecision, StoredResponse};
+//! use tower_idempotency::{IdempotencyContext, RecordDecision};
 //!
 //! type BoxError = Box<dyn std::error::Error + Send + Sync>;
 //!
 //! async fn place_order(
 //!     store: &PostgresStore,
+//!     business: &Pool, // not the store's pool
 //!     req: Request<Bytes>,
 //! ) -> Result<Response<Bytes>, BoxError> {
 //!     let ctx = req.extensions().get::<IdempotencyContext>().ok_or("not behind the layer")?;
-//!     let mut headers = HeaderMap::new();
-//!     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-//!     let body = Bytes::from_static(br#"{"order":"o-1"}"#);
-//!     let answer = Completion::Response(StoredResponse {
-//!         status: StatusCode::CREATED,
-//!         headers: headers.clone(),
-//!         body: body.clone(),
-//!         trailers: None,
-//!     });
+//!     let mut res = Response::builder()
+//!         .status(StatusCode::CREATED)
+//!         .header(header::CONTENT_TYPE, "application/json")
+//!         .body(Bytes::from_static(br#"{"order":"o-1"}"#))?;
 //!
-//!     let mut conn = store.pool().get().await?;
+//!     let mut conn = business.get().await?;
 //!     let tx = conn.transaction().await?;
 //!     tx.execute("INSERT INTO orders (id, sku) VALUES ($1, $2)", &[&"o-1", &"sku-1"]).await?;
 //!     // Last before COMMIT. Fenced like `complete`: with a stale token it fails, and the
-//!     // order is rolled back with it. The TTL should match the layer's retention.
-//!     let ttl = Duration::from_secs(24 * 3600);
-//!     store.complete_in(&tx, &ctx.record_id(), &ctx.token(), &answer, ttl).await?;
+//!     // order is rolled back with it.
+//!     store.record_in(&tx, ctx, &res).await?;
 //!     tx.commit().await?;
 //!
-//!     let mut res = Response::new(body);
-//!     *res.status_mut() = StatusCode::CREATED;
-//!     *res.headers_mut() = headers;
 //!     res.extensions_mut().insert(RecordDecision::AlreadyRecorded);
 //!     Ok(res)
 //! }
@@ -1274,6 +1269,33 @@ impl PostgresStore {
         } else {
             Ok(())
         }
+    }
+
+    /// Records `response` as the answer of the request `ctx` belongs to, through `client`,
+    /// typically inside your own transaction: [`complete_in`](Self::complete_in) with the
+    /// context's record id, token and TTL, and the headers the layer would keep
+    /// ([`IdempotencyContext::completion`](crate::IdempotencyContext::completion)).
+    ///
+    /// Call it last before `COMMIT`, return `response` from the handler, and mark it with
+    /// [`RecordDecision::AlreadyRecorded`](crate::RecordDecision::AlreadyRecorded).
+    pub async fn record_in<C>(
+        &self,
+        client: &C,
+        ctx: &crate::IdempotencyContext,
+        response: &http::Response<bytes::Bytes>,
+    ) -> Result<(), StoreError>
+    where
+        C: GenericClient,
+    {
+        let completion = ctx.completion(response);
+        self.complete_in(
+            client,
+            &ctx.record_id(),
+            &ctx.token(),
+            &completion,
+            ctx.ttl(),
+        )
+        .await
     }
 
     /// Completes `token`'s claim through `client`, typically inside your own transaction, so

@@ -1,26 +1,50 @@
-//! The store conformance suite: every store runs these checks (see `src/store/mod.rs`).
+//! The store conformance suite (feature `conformance`): the specification of a store, as
+//! checks every store that ships with this crate passes, and that your own store can run.
 //!
-//! A store's test file calls [`conformance_suite!`] with an async factory that returns
-//! `Option<Arc<dyn IdempotencyStore>>` (`None` skips, after printing why) and, optionally,
-//! a factory for a store small enough to fill.
+//! Each check is an `async fn(DynStore)` that panics on a violation of the
+//! [store contract](crate::store#guarantees-every-store-gives). From a test file, either
+//! generate one `#[tokio::test]` per check with [`conformance_suite!`](crate::conformance_suite)
+//! (needs `tokio` with the `macros` and `rt-multi-thread` features among your
+//! dev-dependencies), or run them all at once with [`run_all`]:
 //!
-//! Leases and TTLs here are real time (a store's own clock cannot be paused), so the
-//! checks that wait for a lease or a TTL to lapse sleep past it with a margin. They never
-//! sleep to order two tasks: concurrency is ordered by a barrier.
-#![allow(dead_code, unreachable_pub, clippy::match_wildcard_for_single_variants)]
+//! ```toml
+//! [dev-dependencies]
+//! tower-idempotency = { version = "0.1", features = ["conformance"] }
+//! tokio = { version = "1", features = ["macros", "rt-multi-thread"] }
+//! ```
+//!
+//! ```text
+//! // tests/my_store.rs
+//! use std::sync::Arc;
+//! use crate::conformance::DynStore;
+//!
+//! crate::conformance_suite! {
+//!     // A fresh store per check; `None` skips (say why first, e.g. no server configured).
+//!     store: async { Some(Arc::new(MyStore::new()) as DynStore) },
+//!     // Optional: a store small enough to fill, for "a full store refuses, never evicts".
+//!     full: async { Some(Arc::new(MyStore::with_capacity(40)) as DynStore) },
+//! }
+//! ```
+//!
+//! The [custom store example](crate::store#implementing-a-custom-store) runs the whole suite.
+//!
+//! Leases and TTLs here are real time (a store's own clock cannot be paused), so the checks
+//! that wait for a lease or a TTL to lapse sleep past it with a margin; the longest takes
+//! about five seconds. They never sleep to order two tasks: concurrency is ordered by a
+//! barrier or a gate.
+#![allow(clippy::match_wildcard_for_single_variants)]
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use crate::store::{ClaimOutcome, IdempotencyStore, StoreError, StoreErrorKind};
+use crate::{Completion, Fingerprint, Record, RecordId, RecordState, StoredResponse, Token};
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
 use tokio::sync::{Barrier, Notify};
-use tower_idempotency::store::{ClaimOutcome, IdempotencyStore, StoreError, StoreErrorKind};
-use tower_idempotency::{
-    Completion, Fingerprint, Record, RecordId, RecordState, StoredResponse, Token,
-};
 
+/// A shared store, as the checks take it.
 pub type DynStore = Arc<dyn IdempotencyStore>;
 
 const LEASE: Duration = Duration::from_secs(30);
@@ -41,10 +65,12 @@ pub fn unique_id(label: &str) -> RecordId {
     RecordId::new(Some(&scope), label)
 }
 
+/// A fingerprint made of one repeated byte: distinct per `n`.
 pub fn fp(n: u8) -> Fingerprint {
     Fingerprint::from_bytes([n; 32])
 }
 
+/// A recorded answer with JSON content type and a repeated `link` header.
 pub fn response(status: u16, body: impl Into<Bytes>) -> Completion {
     let mut headers = HeaderMap::new();
     headers.insert("content-type", HeaderValue::from_static("application/json"));
@@ -65,16 +91,14 @@ async fn claim_token(store: &DynStore, id: &RecordId, f: Fingerprint, lease: Dur
     }
 }
 
-fn assert_fenced<T: std::fmt::Debug>(
-    r: Result<T, tower_idempotency::store::StoreError>,
-    what: &str,
-) {
+fn assert_fenced<T: std::fmt::Debug>(r: Result<T, crate::store::StoreError>, what: &str) {
     match r {
         Err(e) if e.kind() == StoreErrorKind::Fenced => {}
         other => panic!("{what}: expected Fenced, got {other:?}"),
     }
 }
 
+/// Guarantee 1: 64 concurrent claims of an absent key, exactly one `Claimed`.
 pub async fn concurrent_claims_of_one_key_yield_exactly_one_claimed(store: DynStore) {
     const N: usize = 64;
     let id = unique_id("race");
@@ -108,6 +132,7 @@ pub async fn concurrent_claims_of_one_key_yield_exactly_one_claimed(store: DynSt
     assert_eq!((claimed, existing), (1, N - 1));
 }
 
+/// Guarantee 4: binary, empty and 1 MiB bodies, repeated headers and trailers replay exactly.
 pub async fn completed_records_replay_byte_exactly(store: DynStore) {
     // Binary bodies with every byte value, an empty body, a 1 MiB body; headers with repeated
     // names; trailers.
@@ -157,6 +182,7 @@ pub async fn completed_records_replay_byte_exactly(store: DynStore) {
     }
 }
 
+/// A claim with another fingerprint sees the record and never takes it over.
 pub async fn different_fingerprint_sees_the_existing_record(store: DynStore) {
     let id = unique_id("mismatch");
     let token = claim_token(&store, &id, fp(3), LEASE).await;
@@ -180,6 +206,7 @@ pub async fn different_fingerprint_sees_the_existing_record(store: DynStore) {
     }
 }
 
+/// Guarantee 2: a lapsed lease is taken over with generation + 1; the old token is fenced.
 pub async fn lapsed_lease_is_taken_over_with_a_greater_generation(store: DynStore) {
     let id = unique_id("takeover");
     let short = Duration::from_millis(300);
@@ -233,6 +260,7 @@ pub async fn lapsed_lease_is_taken_over_with_a_greater_generation(store: DynStor
     );
 }
 
+/// Guarantee 3: `complete`, `extend` and `release` with a stale token change nothing.
 pub async fn stale_tokens_change_nothing(store: DynStore) {
     let id = unique_id("stale");
     let token = claim_token(&store, &id, fp(7), LEASE).await;
@@ -296,6 +324,7 @@ pub async fn stale_tokens_change_nothing(store: DynStore) {
     assert!(store.get(&absent).await.unwrap().is_none());
 }
 
+/// A released key is claimed anew.
 pub async fn release_frees_the_key(store: DynStore) {
     let id = unique_id("release");
     let token = claim_token(&store, &id, fp(8), LEASE).await;
@@ -307,6 +336,7 @@ pub async fn release_frees_the_key(store: DynStore) {
     }
 }
 
+/// `extend` keeps a short lease from lapsing.
 pub async fn extend_keeps_the_lease_alive(store: DynStore) {
     let id = unique_id("extend");
     let lease = Duration::from_millis(1000);
@@ -325,6 +355,7 @@ pub async fn extend_keeps_the_lease_alive(store: DynStore) {
     }
 }
 
+/// Guarantee 5: past its TTL a completed record is absent and the key is new.
 pub async fn ttl_expiry_makes_the_key_new(store: DynStore) {
     let id = unique_id("ttl");
     let token = claim_token(&store, &id, fp(11), LEASE).await;
@@ -345,6 +376,7 @@ pub async fn ttl_expiry_makes_the_key_new(store: DynStore) {
     }
 }
 
+/// A completed record is never taken over, however long ago its lease ended.
 pub async fn completed_records_are_not_taken_over_after_the_lease(store: DynStore) {
     let id = unique_id("kept");
     let short = Duration::from_millis(200);
@@ -362,6 +394,7 @@ pub async fn completed_records_are_not_taken_over_after_the_lease(store: DynStor
     }
 }
 
+/// Guarantee 8: the same key in two scopes names two records.
 pub async fn scopes_are_isolated(store: DynStore) {
     let key = format!("shared-key-{}", unique_id("k").to_hex());
     let a = RecordId::new(Some("tenant-a"), &key);
@@ -583,14 +616,14 @@ pub async fn forged_extend_leaves_the_lease_unchanged(store: DynStore) {
 
 /// A store whose replies can be lost: the real call runs to its end, then the caller hears
 /// nothing, as when a reply times out. `landed` tells when the call has run.
-pub struct LoseReplies<S> {
+struct LoseReplies<S> {
     inner: S,
     lose: AtomicBool,
     landed: Notify,
 }
 
 impl<S> LoseReplies<S> {
-    pub fn new(inner: S) -> Self {
+    fn new(inner: S) -> Self {
         Self {
             inner,
             lose: AtomicBool::new(false),
@@ -599,7 +632,7 @@ impl<S> LoseReplies<S> {
     }
 
     /// Loses the reply of the next call made through `self`, and only that one.
-    pub fn lose_next(&self) {
+    fn lose_next(&self) {
         self.lose.store(true, Ordering::SeqCst);
     }
 
@@ -778,6 +811,63 @@ pub async fn full_store_refuses_claims_and_keeps_records(store: DynStore) {
     }
 }
 
+/// Runs every check at once, each on a fresh store from `new_store`, and the full-store
+/// check when `full` yields a store small enough to fill. Panics on the first violation.
+///
+/// Needs a multi-threaded Tokio runtime (the concurrency checks spawn tasks).
+pub async fn run_all<F, Fut>(new_store: F, full: Option<DynStore>)
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = DynStore>,
+{
+    type Check = fn(DynStore) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+    macro_rules! checks {
+        ($($name:ident),* $(,)?) => {
+            [$((stringify!($name), (|s| Box::pin($name(s))) as Check)),*]
+        };
+    }
+    let checks = checks![
+        concurrent_claims_of_one_key_yield_exactly_one_claimed,
+        completed_records_replay_byte_exactly,
+        different_fingerprint_sees_the_existing_record,
+        lapsed_lease_is_taken_over_with_a_greater_generation,
+        stale_tokens_change_nothing,
+        release_frees_the_key,
+        extend_keeps_the_lease_alive,
+        ttl_expiry_makes_the_key_new,
+        completed_records_are_not_taken_over_after_the_lease,
+        scopes_are_isolated,
+        records_live_for_their_ttl_and_no_longer,
+        ttl_counts_from_completion,
+        concurrent_claims_of_a_lapsed_or_expired_record_yield_exactly_one,
+        forged_extend_leaves_the_lease_unchanged,
+        lost_replies_are_unknown_and_resends_are_idempotent,
+    ];
+    let mut running = Vec::new();
+    for (name, check) in checks {
+        let store = new_store().await;
+        running.push((name, tokio::spawn(check(store))));
+    }
+    if let Some(store) = full {
+        let check: Check = |s| Box::pin(full_store_refuses_claims_and_keeps_records(s));
+        running.push((
+            "full_store_refuses_claims_and_keeps_records",
+            tokio::spawn(check(store)),
+        ));
+    }
+    for (name, task) in running {
+        if let Err(e) = task.await {
+            match e.try_into_panic() {
+                Ok(panic) => {
+                    eprintln!("conformance check `{name}` failed");
+                    std::panic::resume_unwind(panic)
+                }
+                Err(e) => panic!("conformance check `{name}` did not finish: {e}"),
+            }
+        }
+    }
+}
+
 /// Generates one `#[tokio::test]` per conformance check.
 ///
 /// `store` is an async block yielding `Option<DynStore>` (a fresh store, or `None` to skip);
@@ -811,7 +901,7 @@ macro_rules! conformance_suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn $name() {
                 let Some(store) = $store.await else { return };
-                conformance::$name(store).await;
+                $crate::conformance::$name(store).await;
             }
         )*
     };
