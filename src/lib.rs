@@ -201,7 +201,8 @@
 //!   overwrites the record. Use [`IdempotencyContext::derive`] to give downstream calls their
 //!   own idempotency keys, so that a takeover repeats them harmlessly. One hung or failed
 //!   renewal is harmless: renewals run every `lease / 3` at fixed times, each under its own
-//!   deadline, so the lease lapses only after about three in a row fail.
+//!   deadline, so one failed renewal leaves a third of the lease to spare; after two in a
+//!   row the lease is at its edge (the [guarantees] page has the exact bound).
 //! - **An answer the store would not take.** When `complete` fails (or hangs past its
 //!   deadline) on every attempt until the lease ends, the client still gets its answer, but
 //!   the record stays in progress: retries get `409` until the lease lapses, and then the
