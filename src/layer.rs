@@ -23,8 +23,10 @@ pub const MIN_LEASE: Duration = Duration::from_millis(100);
 ///
 /// The arithmetic: renewals are due every `lease / 3`, counted from the moment the claim was
 /// sent. A renewal that hangs is abandoned at its deadline, `lease / 6` later, half an
-/// interval before the next one is due, so one hung call never delays the next. Two
-/// renewals in a row can fail and the third still lands before the lease lapses. With the
+/// interval before the next one is due, so one hung call never delays the next. One renewal
+/// can fail and the next still lands with a third of the lease to spare; after two failures
+/// in a row the third is sent just as the local estimate of the lease ends, so it keeps the
+/// lease only if it reaches the store sooner than the claim did. With the
 /// default 30 s lease the deadline is 1 s (the cap: a healthy store answers in
 /// milliseconds); with a 2 s lease it is 333 ms.
 pub const DEFAULT_STORE_TIMEOUT_MAX: Duration = Duration::from_secs(1);
@@ -32,8 +34,8 @@ pub const DEFAULT_STORE_TIMEOUT_MAX: Duration = Duration::from_secs(1);
 /// How long a claim is held, how long an answer is kept, and how long one store call may take.
 ///
 /// - `lease` (default 30 s): how long a claim holds the key without news from its holder.
-///   The holder renews it every `lease / 3`, so two renewals in a row can fail before it
-///   lapses. A holder that crashes blocks retries (409) for at most one lease; then a retry
+///   The holder renews it every `lease / 3`, so one renewal can fail with a third of the
+///   lease to spare, and two in a row bring it to the edge. A holder that crashes blocks retries (409) for at most one lease; then a retry
 ///   with the same request takes over.
 /// - `ttl` (default 24 h): how long a completed answer is kept, counted from completion.
 /// - the store deadline (default `lease / 6`, at most [`DEFAULT_STORE_TIMEOUT_MAX`]): every

@@ -220,7 +220,8 @@
 //!   overwrites the record. Use [`IdempotencyContext::derive`] to give downstream calls their
 //!   own idempotency keys, so that a takeover repeats them harmlessly. One hung or failed
 //!   renewal is harmless: renewals run every `lease / 3` at fixed times, each under its own
-//!   deadline, so the lease lapses only after about three in a row fail.
+//!   deadline, so one failed renewal leaves a third of the lease to spare; after two in a
+//!   row the lease is at its edge (the [guarantees] page has the exact bound).
 //! - **An answer the store would not take.** When `complete` fails (or hangs past its
 //!   deadline) on every attempt until the lease ends, the client still gets its answer, but
 //!   the record stays in progress: retries get `409` until the lease lapses, and then the
@@ -239,6 +240,9 @@
 //! - Request trailers are not forwarded for keyed requests (the body is buffered).
 //! - Fingerprints are versioned (`v1`); a future version would make in-flight retries across
 //!   an upgrade answer `422`.
+//!
+//! [`guarantees`] spells out each window, the arithmetic behind the lease, renewal interval,
+//! store deadline and TTL, and every rejected input with its exact response.
 //!
 //! Errors the layer makes are responses, never `Err`: `problem+json` (RFC 9457) with a stable
 //! `type` per kind ([`problems`]) and `Cache-Control: no-store`, or a gRPC status for gRPC
@@ -347,6 +351,9 @@ pub mod tonic_guide {}
 
 #[doc = include_str!("docs/security.md")]
 pub mod security {}
+
+#[doc = include_str!("docs/guarantees.md")]
+pub mod guarantees {}
 
 /// Not public API: hooks for the benchmarks.
 #[doc(hidden)]

@@ -433,7 +433,8 @@ impl Lease {
         let length = retention.lease();
         Self {
             length,
-            // lease / 3: two renewals in a row can fail (a store blip) before the lease lapses.
+            // lease / 3: one renewal can fail (a store blip) and the next lands with a third of
+            // the lease to spare; after two failures the third is sent at the lease's edge.
             every: length / 3,
             timeout: retention.store_timeout(),
             state: Mutex::new(LeaseState {

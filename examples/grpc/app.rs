@@ -319,11 +319,9 @@ pub(crate) fn authenticate(mut req: Request<()>) -> Result<Request<()>, Status> 
     Ok(req)
 }
 
-/// 1 to 128 of `A-Z a-z 0-9 - _ .`.
+/// 1 to 128 visible ASCII characters (no spaces, no control or non-ASCII bytes).
 fn is_api_key(k: &str) -> bool {
-    (1..=128).contains(&k.len())
-        && k.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+    (1..=128).contains(&k.len()) && k.bytes().all(|b| b.is_ascii_graphic())
 }
 
 pub(crate) type AuthFn = fn(Request<()>) -> Result<Request<()>, Status>;

@@ -84,11 +84,9 @@ async fn authenticate(mut req: axum::extract::Request, next: axum::middleware::N
     next.run(req).await
 }
 
-/// 1 to 128 of `A-Z a-z 0-9 - _ .`.
+/// 1 to 128 visible ASCII characters (no spaces, no control or non-ASCII bytes).
 pub(crate) fn is_api_key(k: &str) -> bool {
-    (1..=128).contains(&k.len())
-        && k.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+    (1..=128).contains(&k.len()) && k.bytes().all(|b| b.is_ascii_graphic())
 }
 
 fn unauthorized() -> Response {

@@ -7,8 +7,20 @@ use std::collections::HashMap;
 use std::fmt;
 use std::hash::BuildHasher;
 use std::num::NonZeroUsize;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
+
+// Under `--cfg shuttle` the locks and atomics are shuttle's, so the model checker in
+// tests/model explores their interleavings.
+#[cfg(shuttle)]
+use shuttle::sync::{
+    atomic::{AtomicU64, AtomicUsize, Ordering},
+    Mutex, MutexGuard,
+};
+#[cfg(not(shuttle))]
+use std::sync::{
+    atomic::{AtomicU64, AtomicUsize, Ordering},
+    Mutex, MutexGuard,
+};
 use std::time::Duration;
 
 use async_trait::async_trait;
