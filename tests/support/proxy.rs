@@ -138,18 +138,28 @@ async fn connection(client: TcpStream, server: TcpStream, state: Arc<State>) {
     let _ = socket_linger_zero(&client);
     let _ = socket_linger_zero(&server);
     let mut resets = state.resets.subscribe();
+    let born = *resets.borrow_and_update();
     let (cr, cw) = client.into_split();
     let (sr, sw) = server.into_split();
     tokio::select! {
-        _ = pump(cr, sw, state.clone(), Dir::Up) => {}
-        _ = pump(sr, cw, state.clone(), Dir::Down) => {}
+        biased;
         _ = resets.changed() => { state.faults.fetch_add(1, Ordering::SeqCst); }
+        _ = pump(cr, sw, state.clone(), Dir::Up, born) => {}
+        _ = pump(sr, cw, state.clone(), Dir::Down, born) => {}
     }
     // Dropping both halves of both streams closes them with RST (linger 0).
 }
 
 /// Relays one direction until either side closes or a fault cuts it.
-async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, state: Arc<State>, dir: Dir) {
+/// `born` is the reset count when the connection opened: once `reset` has bumped it, no
+/// further byte is relayed, even one read before the connection task saw the reset.
+async fn pump(
+    mut from: OwnedReadHalf,
+    mut to: OwnedWriteHalf,
+    state: Arc<State>,
+    dir: Dir,
+    born: u64,
+) {
     let mut buf = vec![0u8; 64 * 1024];
     loop {
         let n = match from.read(&mut buf).await {
@@ -180,6 +190,9 @@ async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, state: Arc<State>
                 state.faults.fetch_add(1, Ordering::SeqCst);
                 return;
             }
+        }
+        if *state.resets.borrow() != born {
+            return;
         }
         if to.write_all(&buf[..n]).await.is_err() {
             return;
