@@ -217,4 +217,10 @@ pub mod __bench {
     pub fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
         crate::fingerprint::canonical_json(body, &[])
     }
+
+    /// SHA-256 of the canonical JSON form of `body`, as the fingerprint computes it.
+    pub fn canonical_json_digest(body: &[u8]) -> Option<[u8; 32]> {
+        use sha2::Digest;
+        crate::fingerprint::canonical_json(body, &[]).map(|c| sha2::Sha256::digest(c).into())
+    }
 }
