@@ -40,9 +40,11 @@ fn fingerprint(c: &mut Criterion) {
         g.throughput(Throughput::Bytes(body.len() as u64));
         g.warm_up_time(Duration::from_millis(500));
         g.measurement_time(Duration::from_secs(2));
-        g.bench_with_input(BenchmarkId::new("sha256_raw", body.len()), &body, |b, body| {
-            b.iter(|| Sha256::digest(black_box(body)))
-        });
+        g.bench_with_input(
+            BenchmarkId::new("sha256_raw", body.len()),
+            &body,
+            |b, body| b.iter(|| Sha256::digest(black_box(body))),
+        );
         g.bench_with_input(
             BenchmarkId::new("serde_json_value", body.len()),
             &body,
@@ -53,9 +55,7 @@ fn fingerprint(c: &mut Criterion) {
         g.bench_with_input(
             BenchmarkId::new("canonical_json_sha256", body.len()),
             &body,
-            |b, body| {
-                b.iter(|| tower_idempotency::__bench::canonical_json_digest(black_box(body)))
-            },
+            |b, body| b.iter(|| tower_idempotency::__bench::canonical_json_digest(black_box(body))),
         );
         g.finish();
     }

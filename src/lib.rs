@@ -221,6 +221,8 @@ pub mod __bench {
     /// SHA-256 of the canonical JSON form of `body`, as the fingerprint computes it.
     pub fn canonical_json_digest(body: &[u8]) -> Option<[u8; 32]> {
         use sha2::Digest;
-        crate::fingerprint::canonical_json(body, &[]).map(|c| sha2::Sha256::digest(c).into())
+        let mut out = Vec::new();
+        crate::fingerprint::canonical_json_into(body, &[], &mut out)
+            .then(|| sha2::Sha256::digest(&out).into())
     }
 }
