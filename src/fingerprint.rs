@@ -340,6 +340,7 @@ pub(crate) fn canonical_json_into(
         s: body,
         i: 0,
         out,
+        pending: (0, 0),
         stack: Vec::new(),
         members: Vec::new(),
         scratch: Vec::new(),
@@ -399,6 +400,7 @@ struct Frame {
     key: usize,
     key_end: usize,
     simple_key: bool,
+    key_prefix: u64,
     excluded: bool,
     item_active: usize,
 }
@@ -412,13 +414,20 @@ struct Member {
     end: usize,
     /// No escapes and no supplementary-plane character: UTF-8 byte order is UTF-16 order.
     simple: bool,
+    /// A simple key's first 8 bytes, big-endian, zero-padded (a simple key holds no NUL):
+    /// most comparisons end here.
+    prefix: u64,
 }
 
 struct Canon<'a, 'o> {
     /// Checked to be UTF-8.
     s: &'a [u8],
     i: usize,
+    /// The output is `out` then `s[pending.0..pending.1]`: input that is already canonical
+    /// is not copied byte by byte but in runs, as late as possible. Positions (`pos`)
+    /// count both.
     out: &'o mut Vec<u8>,
+    pending: (usize, usize),
     stack: Vec<Frame>,
     members: Vec<Member>,
     /// Where an object's members are copied to be written back in order.
@@ -429,6 +438,48 @@ struct Canon<'a, 'o> {
 }
 
 impl Canon<'_, '_> {
+    /// The output length so far.
+    #[inline]
+    fn pos(&self) -> usize {
+        self.out.len() + self.pending.1 - self.pending.0
+    }
+
+    /// Appends input bytes `a..b`, already canonical.
+    #[inline]
+    fn emit(&mut self, a: usize, b: usize) {
+        if self.pending.1 != a {
+            self.flush();
+            self.pending.0 = a;
+        }
+        self.pending.1 = b;
+    }
+
+    #[inline]
+    fn flush(&mut self) {
+        let (a, b) = self.pending;
+        if a != b {
+            self.out.extend_from_slice(&self.s[a..b]);
+        }
+        self.pending = (b, b);
+    }
+
+    /// The output, for bytes that are not input.
+    #[inline]
+    fn out(&mut self) -> &mut Vec<u8> {
+        self.flush();
+        self.out
+    }
+
+    /// Output bytes `a..b`, which must lie wholly in `out` or wholly in the pending input.
+    fn view(&self, a: usize, b: usize) -> &[u8] {
+        let flushed = self.out.len();
+        if a >= flushed {
+            &self.s[self.pending.0 + a - flushed..self.pending.0 + b - flushed]
+        } else {
+            &self.out[a..b]
+        }
+    }
+
     #[inline]
     fn ws(&mut self) {
         while let Some(b' ' | b'\t' | b'\n' | b'\r') = self.s.get(self.i) {
@@ -448,7 +499,7 @@ impl Canon<'_, '_> {
                     let object = open == b'{';
                     self.stack.push(Frame {
                         object,
-                        start: self.out.len(),
+                        start: self.pos(),
                         depth: self.stack.len(),
                         active: next_active.0,
                         active_end: next_active.1,
@@ -459,19 +510,20 @@ impl Canon<'_, '_> {
                         key: 0,
                         key_end: 0,
                         simple_key: true,
+                        key_prefix: 0,
                         excluded: false,
                         item_active: 0,
                     });
-                    self.out.push(open);
+                    self.emit(self.i, self.i + 1);
                     self.i += 1;
                     self.ws();
                     let close = if object { b'}' } else { b']' };
                     if self.s.get(self.i) == Some(&close) {
+                        self.emit(self.i, self.i + 1);
                         self.i += 1;
-                        self.out.push(close);
                         self.stack.pop();
                     } else {
-                        next_active = self.item()?;
+                        next_active = self.item(None)?;
                         continue 'value;
                     }
                 }
@@ -488,27 +540,35 @@ impl Canon<'_, '_> {
                     break 'value;
                 };
                 f.seen += 1;
+                let end = self.out.len() + self.pending.1 - self.pending.0;
                 if f.excluded {
-                    self.out.truncate(f.item);
+                    let item = f.item;
+                    self.flush();
+                    self.out.truncate(item);
                 } else {
                     f.written += 1;
                     if f.object {
                         self.members.push(Member {
                             key: f.key,
                             colon: f.key_end,
-                            end: self.out.len(),
+                            end,
                             simple: f.simple_key,
+                            prefix: f.key_prefix,
                         });
                     }
                 }
+                let Some(f) = self.stack.last() else {
+                    return None;
+                };
                 self.active.truncate(f.item_active);
                 let object = f.object;
                 self.ws();
                 match self.s.get(self.i) {
                     Some(b',') => {
+                        let comma = self.i;
                         self.i += 1;
                         self.ws();
-                        next_active = self.item()?;
+                        next_active = self.item(Some(comma))?;
                         continue 'value;
                     }
                     Some(b'}') if object => {
@@ -516,8 +576,8 @@ impl Canon<'_, '_> {
                         self.close_object()?;
                     }
                     Some(b']') if !object => {
+                        self.emit(self.i, self.i + 1);
                         self.i += 1;
-                        self.out.push(b']');
                         self.stack.pop();
                     }
                     _ => return None,
@@ -525,39 +585,49 @@ impl Canon<'_, '_> {
             }
         }
         self.ws();
+        self.flush();
         (self.i == self.s.len()).then_some(())
     }
 
     /// Starts the next item of the innermost frame: its comma and, in an object, its key and
     /// colon. Returns the range in `active` of the pointers that lead into its value.
-    fn item(&mut self) -> Option<(usize, usize)> {
+    fn item(&mut self, comma: Option<usize>) -> Option<(usize, usize)> {
         let n = self.stack.len() - 1;
-        let item = self.out.len();
+        let item = self.pos();
         if self.stack[n].written > 0 {
-            self.out.push(b',');
+            match comma {
+                Some(c) => self.emit(c, c + 1),
+                None => self.out().push(b','),
+            }
         }
-        let key = self.out.len();
+        let key = self.pos();
         let (object, depth, seen) = (
             self.stack[n].object,
             self.stack[n].depth,
             self.stack[n].seen,
         );
-        let (mut key_end, mut simple_key) = (key, true);
+        let (mut key_end, mut simple_key, mut key_prefix) = (key, true, 0);
         if object {
             if self.s.get(self.i) != Some(&b'"') {
                 return None;
             }
             self.string()?;
-            key_end = self.out.len();
-            simple_key = self.out[key..key_end]
-                .iter()
-                .all(|&b| b != b'\\' && b < 0xF0);
+            key_end = self.pos();
+            if key < self.out.len() {
+                self.flush(); // a key with escapes: partly written out already
+            }
+            let content = self.view(key + 1, key_end - 1);
+            simple_key = content.iter().all(|&b| b != b'\\' && b < 0xF0);
+            let mut head = [0; 8];
+            let n = content.len().min(8);
+            head[..n].copy_from_slice(&content[..n]);
+            key_prefix = u64::from_be_bytes(head);
             self.ws();
             if self.s.get(self.i) != Some(&b':') {
                 return None;
             }
+            self.emit(self.i, self.i + 1);
             self.i += 1;
-            self.out.push(b':');
         }
         let item_active = self.active.len();
         let mut excluded = false;
@@ -565,7 +635,7 @@ impl Canon<'_, '_> {
             let p = self.active[j];
             let pointer = &self.pointers[p];
             let hit = if object {
-                pointer.keys.get(depth).map(Vec::as_slice) == self.out.get(key + 1..key_end - 1)
+                pointer.keys.get(depth).map(Vec::as_slice) == Some(self.view(key + 1, key_end - 1))
             } else {
                 pointer.indices.get(depth).copied().flatten() == Some(seen)
             };
@@ -582,6 +652,7 @@ impl Canon<'_, '_> {
         f.key = key;
         f.key_end = key_end;
         f.simple_key = simple_key;
+        f.key_prefix = key_prefix;
         f.excluded = excluded;
         f.item_active = item_active;
         Some((item_active, self.active.len()))
@@ -591,24 +662,52 @@ impl Canon<'_, '_> {
     /// refuses duplicate keys, and writes them back in order if they were not.
     fn close_object(&mut self) -> Option<()> {
         let f = self.stack.pop()?;
-        let out = &*self.out;
+        let close = self.i - 1;
+        // Where the members' bytes are: still in the input when the whole object is pending
+        // (no whitespace, no rewritten value), else in `out`.
+        let flushed = self.out.len();
+        let in_input = f.start >= flushed;
+        if !in_input {
+            self.flush();
+        }
+        let (src, delta): (&[u8], usize) = if in_input {
+            (self.s, self.pending.0.wrapping_sub(flushed))
+        } else {
+            (self.out, 0)
+        };
         let members = &mut self.members[f.members..];
         let in_order = members
             .windows(2)
-            .all(|w| key_cmp(out, &w[0], &w[1]) == Ordering::Less);
-        if !in_order {
-            members.sort_unstable_by(|a, b| key_cmp(out, a, b));
-            if members
-                .windows(2)
-                .any(|w| key_cmp(out, &w[0], &w[1]) == Ordering::Equal)
-            {
-                return None; // duplicate keys: parsers disagree on which one wins
+            .all(|w| key_cmp(src, delta, &w[0], &w[1]) == Ordering::Less);
+        if in_order {
+            self.members.truncate(f.members);
+            self.emit(close, close + 1);
+            return Some(());
+        }
+        members.sort_unstable_by(|a, b| key_cmp(src, delta, a, b));
+        if members
+            .windows(2)
+            .any(|w| key_cmp(src, delta, &w[0], &w[1]) == Ordering::Equal)
+        {
+            return None; // duplicate keys: parsers disagree on which one wins
+        }
+        let body = f.start + 1;
+        if in_input {
+            // Write the members straight from the input, in order.
+            self.pending.1 = body.wrapping_add(delta);
+            self.flush();
+            for (k, m) in self.members[f.members..].iter().enumerate() {
+                if k > 0 {
+                    self.out.push(b',');
+                }
+                self.out
+                    .extend_from_slice(&self.s[m.key.wrapping_add(delta)..m.end.wrapping_add(delta)]);
             }
-            let body = f.start + 1;
+        } else {
             self.scratch.clear();
             self.scratch.extend_from_slice(&self.out[body..]);
             self.out.truncate(body);
-            for (k, m) in members.iter().enumerate() {
+            for (k, m) in self.members[f.members..].iter().enumerate() {
                 if k > 0 {
                     self.out.push(b',');
                 }
@@ -618,6 +717,7 @@ impl Canon<'_, '_> {
         }
         self.members.truncate(f.members);
         self.out.push(b'}');
+        self.pending = (close + 1, close + 1);
         Some(())
     }
 
@@ -625,8 +725,8 @@ impl Canon<'_, '_> {
         if !self.s[self.i..].starts_with(lit) {
             return None;
         }
+        self.emit(self.i, self.i + lit.len());
         self.i += lit.len();
-        self.out.extend_from_slice(lit);
         Some(())
     }
 
@@ -638,15 +738,15 @@ impl Canon<'_, '_> {
         let mut i = plain_end(s, start + 1);
         // Fast path: no escapes, so the input is already canonical.
         if s.get(i) == Some(&b'"') {
-            self.out.extend_from_slice(&s[start..=i]);
+            self.emit(start, i + 1);
             self.i = i + 1;
             return Some(());
         }
-        self.out.extend_from_slice(&s[start..i]);
+        self.emit(start, i);
         loop {
             match *s.get(i)? {
                 b'"' => {
-                    self.out.push(b'"');
+                    self.emit(i, i + 1);
                     self.i = i + 1;
                     return Some(());
                 }
@@ -654,7 +754,7 @@ impl Canon<'_, '_> {
                 _ => return None, // raw control character
             }
             let run = plain_end(s, i);
-            self.out.extend_from_slice(&s[i..run]);
+            self.emit(i, run);
             i = run;
         }
     }
@@ -675,7 +775,7 @@ impl Canon<'_, '_> {
             _ => return None,
         };
         if !simple.is_empty() {
-            self.out.extend_from_slice(simple);
+            self.out().extend_from_slice(simple);
             return Some(i + 2);
         }
         let unit = hex4(s, i + 2)?;
@@ -687,22 +787,22 @@ impl Canon<'_, '_> {
                     0x10000 + ((u32::from(unit) - 0xD800) << 10) + (u32::from(lo) - 0xDC00)
                 }
                 _ => {
-                    write_unit_escape(unit, self.out);
+                    write_unit_escape(unit, self.out());
                     return Some(end);
                 }
             },
             0xDC00..=0xDFFF => {
-                write_unit_escape(unit, self.out);
+                write_unit_escape(unit, self.out());
                 return Some(end);
             }
             _ => u32::from(unit),
         };
         let c = char::from_u32(cp)?;
         match c {
-            '"' | '\\' | '\0'..='\x1f' => escape_char(c as u8, self.out),
+            '"' | '\\' | '\0'..='\x1f' => escape_char(c as u8, self.out()),
             _ => {
                 let mut buf = [0; 4];
-                self.out
+                self.out()
                     .extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
             }
         }
@@ -760,22 +860,22 @@ impl Canon<'_, '_> {
         if exp.is_none() {
             if frac.is_empty() {
                 if int == b"0" {
-                    self.out.push(b'0'); // and "-0"
+                    self.out().push(b'0'); // and "-0"
                     return Some(());
                 }
                 // At most 15 digits: below 2^53, printed by ECMAScript as written.
                 if int.len() <= 15 {
-                    self.out.extend_from_slice(literal);
+                    self.emit(start, i);
                     return Some(());
                 }
             } else if plain_decimal_is_canonical(int, frac) {
-                self.out.extend_from_slice(literal);
+                self.emit(start, i);
                 return Some(());
             }
         }
         let value = Decimal::new(negative, int, frac, exp);
         if value.a.is_empty() && value.b.is_empty() {
-            self.out.push(b'0');
+            self.out().push(b'0');
             return Some(());
         }
         // The literal is ASCII, and Rust parses any JSON number, rounding correctly.
@@ -784,11 +884,11 @@ impl Canon<'_, '_> {
             let mut buf = ryu_js::Buffer::new();
             let es = buf.format_finite(double);
             if es_decimal(es.as_bytes()).is_some_and(|d| d == value) {
-                self.out.extend_from_slice(es.as_bytes());
+                self.out().extend_from_slice(es.as_bytes());
                 return Some(());
             }
         }
-        value.write_exact(self.out);
+        value.write_exact(self.out());
         Some(())
     }
 }
@@ -887,9 +987,15 @@ const SPECIAL: [bool; 256] = {
 
 /// RFC 8785 orders keys by UTF-16 code units. That is byte order for keys without escapes
 /// or supplementary-plane characters (4-byte UTF-8, lead byte >= 0xF0).
-fn key_cmp(out: &[u8], a: &Member, b: &Member) -> Ordering {
-    let ka = &out[a.key + 1..a.colon - 1];
-    let kb = &out[b.key + 1..b.colon - 1];
+#[inline]
+/// Keys are at `src[position + delta]` (wrapping: `delta` may stand for a negative shift).
+#[inline]
+fn key_cmp(src: &[u8], delta: usize, a: &Member, b: &Member) -> Ordering {
+    if a.simple && b.simple && a.prefix != b.prefix {
+        return a.prefix.cmp(&b.prefix);
+    }
+    let key = |m: &Member| &src[(m.key + 1).wrapping_add(delta)..(m.colon - 1).wrapping_add(delta)];
+    let (ka, kb) = (key(a), key(b));
     if a.simple && b.simple {
         ka.cmp(kb)
     } else {
