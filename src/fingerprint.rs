@@ -593,19 +593,17 @@ impl Canon<'_, '_> {
     /// colon. Returns the range in `active` of the pointers that lead into its value.
     fn item(&mut self, comma: Option<usize>) -> Option<(usize, usize)> {
         let n = self.stack.len() - 1;
+        let f = &self.stack[n];
+        let (object, depth, seen, written) = (f.object, f.depth, f.seen, f.written);
+        let (active, active_end) = (f.active, f.active_end);
         let item = self.pos();
-        if self.stack[n].written > 0 {
+        if written > 0 {
             match comma {
                 Some(c) => self.emit(c, c + 1),
                 None => self.out().push(b','),
             }
         }
         let key = self.pos();
-        let (object, depth, seen) = (
-            self.stack[n].object,
-            self.stack[n].depth,
-            self.stack[n].seen,
-        );
         let (mut key_end, mut simple_key, mut key_prefix) = (key, true, 0);
         if object {
             if self.s.get(self.i) != Some(&b'"') {
@@ -618,10 +616,13 @@ impl Canon<'_, '_> {
             }
             let content = self.view(key + 1, key_end - 1);
             simple_key = content.iter().all(|&b| b != b'\\' && b < 0xF0);
-            let mut head = [0; 8];
-            let n = content.len().min(8);
-            head[..n].copy_from_slice(&content[..n]);
-            key_prefix = u64::from_be_bytes(head);
+            key_prefix = match content.first_chunk::<8>() {
+                Some(head) => u64::from_be_bytes(*head),
+                None => content
+                    .iter()
+                    .enumerate()
+                    .fold(0, |p, (k, &b)| p | u64::from(b) << (56 - 8 * k)),
+            };
             self.ws();
             if self.s.get(self.i) != Some(&b':') {
                 return None;
@@ -631,7 +632,7 @@ impl Canon<'_, '_> {
         }
         let item_active = self.active.len();
         let mut excluded = false;
-        for j in self.stack[n].active..self.stack[n].active_end {
+        for j in active..active_end {
             let p = self.active[j];
             let pointer = &self.pointers[p];
             let hit = if object {
@@ -684,7 +685,20 @@ impl Canon<'_, '_> {
             self.emit(close, close + 1);
             return Some(());
         }
-        members.sort_unstable_by(|a, b| key_cmp(src, delta, a, b));
+        if members.len() <= 16 {
+            // Insertion sort, with the comparison inlined: objects are mostly small.
+            for i in 1..members.len() {
+                let mut j = i;
+                while j > 0
+                    && key_cmp(src, delta, &members[j - 1], &members[j]) == Ordering::Greater
+                {
+                    members.swap(j - 1, j);
+                    j -= 1;
+                }
+            }
+        } else {
+            members.sort_unstable_by(|a, b| key_cmp(src, delta, a, b));
+        }
         if members
             .windows(2)
             .any(|w| key_cmp(src, delta, &w[0], &w[1]) == Ordering::Equal)
@@ -700,8 +714,9 @@ impl Canon<'_, '_> {
                 if k > 0 {
                     self.out.push(b',');
                 }
-                self.out
-                    .extend_from_slice(&self.s[m.key.wrapping_add(delta)..m.end.wrapping_add(delta)]);
+                self.out.extend_from_slice(
+                    &self.s[m.key.wrapping_add(delta)..m.end.wrapping_add(delta)],
+                );
             }
         } else {
             self.scratch.clear();
@@ -732,10 +747,11 @@ impl Canon<'_, '_> {
 
     /// At an opening quote: writes the string in canonical form (RFC 8785 3.2.2.2: only `"`,
     /// `\` and controls escaped, the rest UTF-8), and a lone surrogate as `\udxxx`.
+    #[inline]
     fn string(&mut self) -> Option<()> {
         let s = self.s;
         let start = self.i;
-        let mut i = plain_end(s, start + 1);
+        let i = plain_end(s, start + 1);
         // Fast path: no escapes, so the input is already canonical.
         if s.get(i) == Some(&b'"') {
             self.emit(start, i + 1);
@@ -743,6 +759,13 @@ impl Canon<'_, '_> {
             return Some(());
         }
         self.emit(start, i);
+        self.string_rest(i)
+    }
+
+    /// The rest of a string with escapes (or a bad byte) at `i`.
+    #[inline(never)]
+    fn string_rest(&mut self, mut i: usize) -> Option<()> {
+        let s = self.s;
         loop {
             match *s.get(i)? {
                 b'"' => {
@@ -989,7 +1012,7 @@ const SPECIAL: [bool; 256] = {
 /// or supplementary-plane characters (4-byte UTF-8, lead byte >= 0xF0).
 #[inline]
 /// Keys are at `src[position + delta]` (wrapping: `delta` may stand for a negative shift).
-#[inline]
+#[inline(always)]
 fn key_cmp(src: &[u8], delta: usize, a: &Member, b: &Member) -> Ordering {
     if a.simple && b.simple && a.prefix != b.prefix {
         return a.prefix.cmp(&b.prefix);
