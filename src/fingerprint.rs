@@ -557,9 +557,7 @@ impl Canon<'_, '_> {
                         });
                     }
                 }
-                let Some(f) = self.stack.last() else {
-                    return None;
-                };
+                let f = self.stack.last()?;
                 self.active.truncate(f.item_active);
                 let object = f.object;
                 self.ws();
@@ -609,13 +607,26 @@ impl Canon<'_, '_> {
             if self.s.get(self.i) != Some(&b'"') {
                 return None;
             }
-            self.string()?;
-            key_end = self.pos();
-            if key < self.out.len() {
-                self.flush(); // a key with escapes: partly written out already
-            }
-            let content = self.view(key + 1, key_end - 1);
-            simple_key = content.iter().all(|&b| b != b'\\' && b < 0xF0);
+            let start = self.i;
+            let end = plain_end(self.s, start + 1);
+            let content = if self.s.get(end) == Some(&b'"') {
+                // No escapes: the key is its input bytes.
+                self.emit(start, end + 1);
+                self.i = end + 1;
+                key_end = self.pos();
+                let content = &self.s[start + 1..end];
+                simple_key = content.iter().all(|&b| b < 0xF0);
+                content
+            } else {
+                self.string()?;
+                key_end = self.pos();
+                if key < self.out.len() {
+                    self.flush(); // partly written out already
+                }
+                let content = self.view(key + 1, key_end - 1);
+                simple_key = content.iter().all(|&b| b != b'\\' && b < 0xF0);
+                content
+            };
             key_prefix = match content.first_chunk::<8>() {
                 Some(head) => u64::from_be_bytes(*head),
                 None => content
@@ -623,9 +634,11 @@ impl Canon<'_, '_> {
                     .enumerate()
                     .fold(0, |p, (k, &b)| p | u64::from(b) << (56 - 8 * k)),
             };
-            self.ws();
             if self.s.get(self.i) != Some(&b':') {
-                return None;
+                self.ws();
+                if self.s.get(self.i) != Some(&b':') {
+                    return None;
+                }
             }
             self.emit(self.i, self.i + 1);
             self.i += 1;
@@ -1010,7 +1023,6 @@ const SPECIAL: [bool; 256] = {
 
 /// RFC 8785 orders keys by UTF-16 code units. That is byte order for keys without escapes
 /// or supplementary-plane characters (4-byte UTF-8, lead byte >= 0xF0).
-#[inline]
 /// Keys are at `src[position + delta]` (wrapping: `delta` may stand for a negative shift).
 #[inline(always)]
 fn key_cmp(src: &[u8], delta: usize, a: &Member, b: &Member) -> Ordering {

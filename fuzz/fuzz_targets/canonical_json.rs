@@ -13,6 +13,10 @@ fuzz_target!(|data: &[u8]| {
     let exact_number = once.contains(&b'#');
     let lone_surrogate = once.windows(3).any(|w| w == b"\\ud");
     if !exact_number && !lone_surrogate {
-        assert_eq!(canonical_json(&once).as_deref(), Some(&once[..]), "not a fixed point");
+        assert_eq!(
+            canonical_json(&once).as_deref(),
+            Some(&once[..]),
+            "not a fixed point"
+        );
     }
 });
