@@ -30,6 +30,7 @@
 //! value: `serde_json` keeps the last of duplicate keys and, without its global
 //! `arbitrary_precision` feature, loses number literals.
 
+use std::cell::RefCell;
 use std::cmp::Ordering;
 use std::io::Write as _;
 
@@ -142,19 +143,20 @@ pub(crate) fn fingerprint(
     } else {
         kind
     };
-    let mut canonical = Vec::new();
-    let done = match kind {
-        BodyKind::Json => canonical_json_into(body, &config.excluded, &mut canonical),
-        BodyKind::Form => canonical_form_into(body, &mut canonical),
-        BodyKind::Raw => false,
-    };
-    if done {
-        h.field(kind.tag());
-        h.field(&canonical);
-    } else {
-        h.field(BodyKind::Raw.tag());
-        h.field(body);
-    }
+    with_buffers(|b| {
+        let done = match kind {
+            BodyKind::Json => canonicalise(body, &config.excluded, &mut b.out, &mut b.work),
+            BodyKind::Form => canonical_form_into(body, &mut b.out),
+            BodyKind::Raw => false,
+        };
+        if done {
+            h.field(kind.tag());
+            h.field(&b.out);
+        } else {
+            h.field(BodyKind::Raw.tag());
+            h.field(body);
+        }
+    });
     if grpc {
         // The same frame bytes under another `grpc-encoding` are another message. Absent
         // means `identity`. Only gRPC requests hash this field.
@@ -331,6 +333,10 @@ pub(crate) fn canonical_json_into(
     excluded: &[JsonPointer],
     out: &mut Vec<u8>,
 ) -> bool {
+    with_buffers(|b| canonicalise(body, excluded, out, &mut b.work))
+}
+
+fn canonicalise(body: &[u8], excluded: &[JsonPointer], out: &mut Vec<u8>, work: &mut Work) -> bool {
     out.clear();
     if std::str::from_utf8(body).is_err() {
         return false;
@@ -341,13 +347,73 @@ pub(crate) fn canonical_json_into(
         i: 0,
         out,
         pending: (0, 0),
-        stack: Vec::new(),
-        members: Vec::new(),
-        scratch: Vec::new(),
+        stack: std::mem::take(&mut work.stack),
+        members: std::mem::take(&mut work.members),
+        scratch: std::mem::take(&mut work.scratch),
         pointers: excluded.iter().map(Pointer::new).collect(),
         active: (0..excluded.len()).collect(),
     };
-    c.run().is_some()
+    let done = c.run().is_some();
+    (work.stack, work.members, work.scratch) = (c.stack, c.members, c.scratch);
+    done
+}
+
+/// Buffers one thread reuses from request to request, so that a small body costs no
+/// allocation.
+#[derive(Default)]
+struct Buffers {
+    /// The canonical body.
+    out: Vec<u8>,
+    work: Work,
+}
+
+#[derive(Default)]
+struct Work {
+    stack: Vec<Frame>,
+    members: Vec<Member>,
+    scratch: Vec<u8>,
+}
+
+thread_local! {
+    static BUFFERS: RefCell<Buffers> = RefCell::new(Buffers::default());
+}
+
+/// Runs `f` with this thread's buffers, empty. Buffers grown past `KEEP` bytes are freed
+/// afterwards rather than kept for the thread's lifetime.
+fn with_buffers<R>(f: impl FnOnce(&mut Buffers) -> R) -> R {
+    const KEEP: usize = 64 * 1024;
+    let mut b = BUFFERS
+        .try_with(|cell| cell.try_borrow_mut().map(|mut b| std::mem::take(&mut *b)))
+        .ok()
+        .and_then(Result::ok)
+        .unwrap_or_default();
+    let r = f(&mut b);
+    let keep = |v: &mut Vec<u8>| {
+        v.clear();
+        if v.capacity() > KEEP {
+            *v = Vec::new();
+        }
+    };
+    keep(&mut b.out);
+    keep(&mut b.work.scratch);
+    b.work.stack.clear();
+    b.work.members.clear();
+    if b.work.stack.capacity() > KEEP / 64 || b.work.members.capacity() > KEEP / 32 {
+        b.work = Work::default();
+    }
+    let _ = BUFFERS.try_with(|cell| {
+        if let Ok(mut slot) = cell.try_borrow_mut() {
+            *slot = b;
+        }
+    });
+    r
+}
+
+/// SHA-256 of the canonical JSON form of `body`, with the buffers `fingerprint` uses.
+pub(crate) fn canonical_json_digest(body: &[u8]) -> Option<[u8; 32]> {
+    with_buffers(|b| {
+        canonicalise(body, &[], &mut b.out, &mut b.work).then(|| Sha256::digest(&b.out).into())
+    })
 }
 
 /// An excluded field's path, each token in the form its key takes in the output.
