@@ -756,33 +756,44 @@ impl Canon<'_, '_> {
             (self.out, 0)
         };
         let members = &mut self.members[f.members..];
-        let in_order = members
+        let mut moved = false;
+        if members.len() <= 16 {
+            // Insertion sort with the comparison inlined (objects are mostly small). It finds
+            // duplicates on the way: equal keys end up side by side, and the later one stops
+            // at the earlier. An object already in order costs n - 1 comparisons.
+            for i in 1..members.len() {
+                let m = members[i];
+                let mut j = i;
+                while j > 0 {
+                    match key_cmp(src, delta, &members[j - 1], &m) {
+                        Ordering::Greater => {
+                            members[j] = members[j - 1];
+                            j -= 1;
+                            moved = true;
+                        }
+                        Ordering::Equal => return None, // duplicate keys: parsers disagree
+                        Ordering::Less => break,
+                    }
+                }
+                members[j] = m;
+            }
+        } else if !members
             .windows(2)
-            .all(|w| key_cmp(src, delta, &w[0], &w[1]) == Ordering::Less);
-        if in_order {
+            .all(|w| key_cmp(src, delta, &w[0], &w[1]) == Ordering::Less)
+        {
+            members.sort_unstable_by(|a, b| key_cmp(src, delta, a, b));
+            if members
+                .windows(2)
+                .any(|w| key_cmp(src, delta, &w[0], &w[1]) == Ordering::Equal)
+            {
+                return None; // duplicate keys: parsers disagree on which one wins
+            }
+            moved = true;
+        }
+        if !moved {
             self.members.truncate(f.members);
             self.emit(close, close + 1);
             return Some(());
-        }
-        if members.len() <= 16 {
-            // Insertion sort, with the comparison inlined: objects are mostly small.
-            for i in 1..members.len() {
-                let mut j = i;
-                while j > 0
-                    && key_cmp(src, delta, &members[j - 1], &members[j]) == Ordering::Greater
-                {
-                    members.swap(j - 1, j);
-                    j -= 1;
-                }
-            }
-        } else {
-            members.sort_unstable_by(|a, b| key_cmp(src, delta, a, b));
-        }
-        if members
-            .windows(2)
-            .any(|w| key_cmp(src, delta, &w[0], &w[1]) == Ordering::Equal)
-        {
-            return None; // duplicate keys: parsers disagree on which one wins
         }
         let body = f.start + 1;
         if in_input {
