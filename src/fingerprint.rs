@@ -353,7 +353,14 @@ fn canonicalise(body: &[u8], excluded: &[JsonPointer], out: &mut Vec<u8>, work: 
         pointers: excluded.iter().map(Pointer::new).collect(),
         active: (0..excluded.len()).collect(),
     };
-    let done = c.run().is_some();
+    let done = if excluded.is_empty() {
+        let mut open = std::mem::take(&mut work.open);
+        let done = c.run_plain(&mut open).is_some();
+        work.open = open;
+        done
+    } else {
+        c.run().is_some()
+    };
     (work.stack, work.members, work.scratch) = (c.stack, c.members, c.scratch);
     done
 }
@@ -370,6 +377,7 @@ struct Buffers {
 #[derive(Default)]
 struct Work {
     stack: Vec<Frame>,
+    open: Vec<Open>,
     members: Vec<Member>,
     scratch: Vec<u8>,
 }
@@ -397,8 +405,12 @@ fn with_buffers<R>(f: impl FnOnce(&mut Buffers) -> R) -> R {
     keep(&mut b.out);
     keep(&mut b.work.scratch);
     b.work.stack.clear();
+    b.work.open.clear();
     b.work.members.clear();
-    if b.work.stack.capacity() > KEEP / 64 || b.work.members.capacity() > KEEP / 32 {
+    if b.work.stack.capacity() > KEEP / 64
+        || b.work.open.capacity() > KEEP / 64
+        || b.work.members.capacity() > KEEP / 32
+    {
         b.work = Work::default();
     }
     let _ = BUFFERS.try_with(|cell| {
@@ -469,6 +481,24 @@ struct Frame {
     key_prefix: u64,
     excluded: bool,
     item_active: usize,
+}
+
+/// An open array or object in [`Canon::run_plain`]: where its bracket is in the output, where
+/// its members start in `Canon::members`, and for an object the current member's key.
+struct Open {
+    object: bool,
+    start: usize,
+    members: usize,
+    key: usize,
+    colon: usize,
+    simple: bool,
+    prefix: u64,
+}
+
+/// What closing an object needs of its frame.
+struct Closing {
+    start: usize,
+    members: usize,
 }
 
 /// One written member of an open object: `out[key..end]` is `"key":value`; the key's
@@ -653,6 +683,202 @@ impl Canon<'_, '_> {
         (self.i == self.s.len()).then_some(())
     }
 
+    /// [`Canon::run`] for a document without excluded fields: the same output in fewer steps
+    /// per token, with the cursor and the pending run in locals and no pointer bookkeeping.
+    fn run_plain(&mut self, open: &mut Vec<Open>) -> Option<()> {
+        let s = self.s;
+        let mut i = self.i;
+        let (mut ps, mut pe) = self.pending;
+        macro_rules! pos {
+            () => {
+                self.out.len() + pe - ps
+            };
+        }
+        macro_rules! emit {
+            ($a:expr, $b:expr) => {{
+                let (a, b) = ($a, $b);
+                if pe != a {
+                    if ps != pe {
+                        self.out.extend_from_slice(&s[ps..pe]);
+                    }
+                    ps = a;
+                }
+                pe = b;
+            }};
+        }
+        macro_rules! ws {
+            () => {
+                while let Some(b' ' | b'\t' | b'\n' | b'\r') = s.get(i) {
+                    i += 1;
+                }
+            };
+        }
+        // Hand the state to a method of `self`, and take it back.
+        macro_rules! call {
+            ($e:expr) => {{
+                self.i = i;
+                self.pending = (ps, pe);
+                let r = $e;
+                i = self.i;
+                (ps, pe) = self.pending;
+                r
+            }};
+        }
+        // An object member's key and colon, recorded in the innermost `Open`.
+        macro_rules! key {
+            () => {{
+                if s.get(i) != Some(&b'"') {
+                    return None;
+                }
+                let key = pos!();
+                let end = plain_end(s, i + 1);
+                let (simple, prefix);
+                if s.get(end) == Some(&b'"') {
+                    emit!(i, end + 1);
+                    let content = &s[i + 1..end];
+                    i = end + 1;
+                    simple = content.iter().all(|&b| b < 0xF0);
+                    prefix = key_prefix(content);
+                } else {
+                    call!({
+                        let r = self.string();
+                        self.flush();
+                        r
+                    })?;
+                    let content = self.out.get(key + 1..self.out.len() - 1)?;
+                    simple = content.iter().all(|&b| b != b'\\' && b < 0xF0);
+                    prefix = key_prefix(content);
+                }
+                let colon = pos!();
+                ws!();
+                if s.get(i) != Some(&b':') {
+                    return None;
+                }
+                emit!(i, i + 1);
+                i += 1;
+                let f = open.last_mut()?;
+                (f.key, f.colon, f.simple, f.prefix) = (key, colon, simple, prefix);
+            }};
+        }
+        'value: loop {
+            ws!();
+            match *s.get(i)? {
+                b'"' => {
+                    let end = plain_end(s, i + 1);
+                    if s.get(end) == Some(&b'"') {
+                        emit!(i, end + 1);
+                        i = end + 1;
+                    } else {
+                        call!(self.string())?;
+                    }
+                }
+                b @ (b'{' | b'[') => {
+                    let object = b == b'{';
+                    let start = pos!();
+                    emit!(i, i + 1);
+                    i += 1;
+                    ws!();
+                    let close = if object { b'}' } else { b']' };
+                    if s.get(i) == Some(&close) {
+                        emit!(i, i + 1);
+                        i += 1;
+                    } else {
+                        open.push(Open {
+                            object,
+                            start,
+                            members: self.members.len(),
+                            key: 0,
+                            colon: 0,
+                            simple: true,
+                            prefix: 0,
+                        });
+                        if object {
+                            key!();
+                        }
+                        continue 'value;
+                    }
+                }
+                b't' | b'f' | b'n' => {
+                    let lit: &[u8] = match s[i] {
+                        b't' => b"true",
+                        b'f' => b"false",
+                        _ => b"null",
+                    };
+                    if !s[i..].starts_with(lit) {
+                        return None;
+                    }
+                    emit!(i, i + lit.len());
+                    i += lit.len();
+                }
+                b'-' | b'0'..=b'9' => {
+                    // Fast path: an integer of 1 to 15 digits, not `-0`, as written.
+                    let digits = i + usize::from(s[i] == b'-');
+                    let end = digits_end(s, digits);
+                    let short = (1..=15).contains(&(end - digits))
+                        && (s[digits] != b'0' || (end - digits == 1 && digits == i));
+                    if short && !matches!(s.get(end), Some(b'.' | b'e' | b'E')) {
+                        emit!(i, end);
+                        i = end;
+                    } else {
+                        call!(self.number())?;
+                    }
+                }
+                _ => return None,
+            }
+            // A value is complete: finish the item it was in, closing containers as they end.
+            loop {
+                let Some(f) = open.last() else {
+                    break 'value;
+                };
+                if f.object {
+                    self.members.push(Member {
+                        key: f.key,
+                        colon: f.colon,
+                        end: pos!(),
+                        simple: f.simple,
+                        prefix: f.prefix,
+                    });
+                    ws!();
+                    match s.get(i) {
+                        Some(b',') => {
+                            emit!(i, i + 1);
+                            i += 1;
+                            ws!();
+                            key!();
+                            continue 'value;
+                        }
+                        Some(b'}') => {
+                            i += 1;
+                            let f = open.pop()?;
+                            call!(self.close_members(f.start, f.members))?;
+                        }
+                        _ => return None,
+                    }
+                } else {
+                    ws!();
+                    match s.get(i) {
+                        Some(b',') => {
+                            emit!(i, i + 1);
+                            i += 1;
+                            continue 'value;
+                        }
+                        Some(b']') => {
+                            emit!(i, i + 1);
+                            i += 1;
+                            open.pop();
+                        }
+                        _ => return None,
+                    }
+                }
+            }
+        }
+        ws!();
+        self.i = i;
+        self.pending = (ps, pe);
+        self.flush();
+        (self.i == s.len()).then_some(())
+    }
+
     /// Starts the next item of the innermost frame: its comma and, in an object, its key and
     /// colon. Returns the range in `active` of the pointers that lead into its value.
     fn item(&mut self, comma: Option<usize>) -> Option<(usize, usize)> {
@@ -693,13 +919,7 @@ impl Canon<'_, '_> {
                 simple_key = content.iter().all(|&b| b != b'\\' && b < 0xF0);
                 content
             };
-            key_prefix = match content.first_chunk::<8>() {
-                Some(head) => u64::from_be_bytes(*head),
-                None => content
-                    .iter()
-                    .enumerate()
-                    .fold(0, |p, (k, &b)| p | u64::from(b) << (56 - 8 * k)),
-            };
+            key_prefix = self::key_prefix(content);
             if self.s.get(self.i) != Some(&b':') {
                 self.ws();
                 if self.s.get(self.i) != Some(&b':') {
@@ -742,6 +962,16 @@ impl Canon<'_, '_> {
     /// refuses duplicate keys, and writes them back in order if they were not.
     fn close_object(&mut self) -> Option<()> {
         let f = self.stack.pop()?;
+        self.close_members(f.start, f.members)
+    }
+
+    /// Closes the object whose `{` is at output position `start`, its members from
+    /// `self.members[base..]`, its `}` just before `self.i`.
+    fn close_members(&mut self, start: usize, base: usize) -> Option<()> {
+        let f = Closing {
+            start,
+            members: base,
+        };
         let close = self.i - 1;
         // Where the members' bytes are: still in the input when the whole object is pending
         // (no whitespace, no rewritten value), else in `out`.
@@ -1112,6 +1342,18 @@ fn key_cmp(src: &[u8], delta: usize, a: &Member, b: &Member) -> Ordering {
         ka.cmp(kb)
     } else {
         utf16_units(ka).cmp(&utf16_units(kb))
+    }
+}
+
+/// A key's first 8 bytes, big-endian, zero-padded.
+#[inline]
+fn key_prefix(content: &[u8]) -> u64 {
+    match content.first_chunk::<8>() {
+        Some(head) => u64::from_be_bytes(*head),
+        None => content
+            .iter()
+            .enumerate()
+            .fold(0, |p, (k, &b)| p | u64::from(b) << (56 - 8 * k)),
     }
 }
 
@@ -2348,6 +2590,15 @@ mod tests {
         }
 
         #[test]
+        fn the_plain_and_the_general_loop_agree(j in json(), seed in any::<u64>()) {
+            // A pointer no generated key matches sends the document through `Canon::run`.
+            let doc = spell(&j, seed);
+            let never = [JsonPointer::parse("/no key is this long").unwrap()];
+            let general = canonical_json(doc.as_bytes(), &never);
+            prop_assert_eq!(canonical_json(doc.as_bytes(), &[]), general, "{}", doc);
+        }
+
+        #[test]
         fn no_input_panics(bytes in prop::collection::vec(any::<u8>(), 0..64)) {
             let _ = canonical_json(&bytes, &[]);
             let _ = canonical_form(&bytes);
@@ -2357,6 +2608,9 @@ mod tests {
         fn no_json_like_input_panics(tokens in prop::collection::vec(0usize..TOKENS.len(), 0..40)) {
             let doc: String = tokens.iter().map(|&t| TOKENS[t]).collect();
             let pointers = [JsonPointer::parse("/a").unwrap(), JsonPointer::parse("/0/a").unwrap()];
+            let plain = canonical_json(doc.as_bytes(), &[]);
+            let never = [JsonPointer::parse("/no key is this long").unwrap()];
+            prop_assert_eq!(plain, canonical_json(doc.as_bytes(), &never), "{}", doc);
             let _ = canonical_json(doc.as_bytes(), &pointers);
         }
     }
