@@ -708,7 +708,8 @@ impl Canon<'_, '_> {
         }
         macro_rules! ws {
             () => {
-                while let Some(b' ' | b'\t' | b'\n' | b'\r') = s.get(i) {
+                // Whitespace is at most b' '; anything else above it ends the run at once.
+                while let Some(&(b' ' | b'\t' | b'\n' | b'\r')) = s.get(i).filter(|&&b| b <= b' ') {
                     i += 1;
                 }
             };
@@ -814,13 +815,33 @@ impl Canon<'_, '_> {
                     // Fast path: an integer of 1 to 15 digits, not `-0`, as written.
                     let digits = i + usize::from(s[i] == b'-');
                     let end = digits_end(s, digits);
-                    let short = (1..=15).contains(&(end - digits))
-                        && (s[digits] != b'0' || (end - digits == 1 && digits == i));
-                    if short && !matches!(s.get(end), Some(b'.' | b'e' | b'E')) {
-                        emit!(i, end);
-                        i = end;
-                    } else {
-                        call!(self.number())?;
+                    let int_len = end - digits;
+                    let leading_zero = int_len > 1 && s[digits] == b'0';
+                    match s.get(end) {
+                        Some(b'e' | b'E') => call!(self.number())?,
+                        _ if int_len == 0 || leading_zero => return None,
+                        Some(b'.') => {
+                            // `d.ddd` that is its double's ECMAScript form: as written.
+                            let frac_end = digits_end(s, end + 1);
+                            let plain = !matches!(s.get(frac_end), Some(b'e' | b'E'))
+                                && frac_end > end + 1
+                                && plain_decimal_is_canonical(
+                                    &s[digits..end],
+                                    &s[end + 1..frac_end],
+                                );
+                            if plain {
+                                emit!(i, frac_end);
+                                i = frac_end;
+                            } else {
+                                call!(self.number())?;
+                            }
+                        }
+                        // An integer of up to 15 digits is below 2^53: as written, but `-0`.
+                        _ if int_len <= 15 && !(digits > i && s[digits] == b'0') => {
+                            emit!(i, end);
+                            i = end;
+                        }
+                        _ => call!(self.number())?,
                     }
                 }
                 _ => return None,
@@ -1105,21 +1126,18 @@ impl Canon<'_, '_> {
     /// At a backslash: writes the escaped character canonically; returns where it ends.
     fn escape(&mut self, i: usize) -> Option<usize> {
         let s = self.s;
-        let simple: &[u8] = match *s.get(i + 1)? {
-            b'"' => b"\\\"",
-            b'\\' => b"\\\\",
-            b'/' => b"/",
-            b'b' => b"\\b",
-            b'f' => b"\\f",
-            b'n' => b"\\n",
-            b'r' => b"\\r",
-            b't' => b"\\t",
-            b'u' => b"",
+        match *s.get(i + 1)? {
+            // Already canonical: stays in the pending run.
+            b'"' | b'\\' | b'b' | b'f' | b'n' | b'r' | b't' => {
+                self.emit(i, i + 2);
+                return Some(i + 2);
+            }
+            b'/' => {
+                self.out().push(b'/');
+                return Some(i + 2);
+            }
+            b'u' => {}
             _ => return None,
-        };
-        if !simple.is_empty() {
-            self.out().extend_from_slice(simple);
-            return Some(i + 2);
         }
         let unit = hex4(s, i + 2)?;
         let mut end = i + 6;
