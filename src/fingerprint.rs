@@ -1007,18 +1007,22 @@ impl Canon<'_, '_> {
             (self.out, 0)
         };
         let members = &mut self.members[f.members..];
+        let n = members.len();
         let mut moved = false;
-        if members.len() <= 16 {
-            // Insertion sort with the comparison inlined (objects are mostly small). It finds
-            // duplicates on the way: equal keys end up side by side, and the later one stops
-            // at the earlier. An object already in order costs n - 1 comparisons.
-            for i in 1..members.len() {
-                let m = members[i];
+        // The members in order, as indices: up to 16 by an insertion sort that moves bytes,
+        // not members, and finds duplicates on the way (equal keys end up side by side, and
+        // the later one stops at the earlier); an object already in order costs n - 1
+        // comparisons. Larger objects are sorted in place.
+        let mut order = [0u8; 16];
+        let small = n <= 16;
+        if small {
+            for i in 1..n {
+                let m = &members[i];
                 let mut j = i;
                 while j > 0 {
-                    match key_cmp(src, delta, &members[j - 1], &m) {
+                    match key_cmp(src, delta, &members[usize::from(order[j - 1])], m) {
                         Ordering::Greater => {
-                            members[j] = members[j - 1];
+                            order[j] = order[j - 1];
                             j -= 1;
                             moved = true;
                         }
@@ -1026,7 +1030,7 @@ impl Canon<'_, '_> {
                         Ordering::Less => break,
                     }
                 }
-                members[j] = m;
+                order[j] = i as u8;
             }
         } else if !members
             .windows(2)
@@ -1048,28 +1052,33 @@ impl Canon<'_, '_> {
         }
         let body = f.start + 1;
         if in_input {
-            // Write the members straight from the input, in order.
             self.pending.1 = body.wrapping_add(delta);
             self.flush();
-            for (k, m) in self.members[f.members..].iter().enumerate() {
-                if k > 0 {
-                    self.out.push(b',');
-                }
-                self.out.extend_from_slice(
-                    &self.s[m.key.wrapping_add(delta)..m.end.wrapping_add(delta)],
-                );
+        }
+        let members = &self.members[f.members..];
+        let nth = |k: usize| {
+            if small {
+                members[usize::from(order[k])]
+            } else {
+                members[k]
             }
+        };
+        let (src, delta) = if in_input {
+            // Write the members straight from the input.
+            (self.s, delta)
         } else {
             self.scratch.clear();
             self.scratch.extend_from_slice(&self.out[body..]);
             self.out.truncate(body);
-            for (k, m) in self.members[f.members..].iter().enumerate() {
-                if k > 0 {
-                    self.out.push(b',');
-                }
-                self.out
-                    .extend_from_slice(&self.scratch[m.key - body..m.end - body]);
+            (&self.scratch[..], body.wrapping_neg())
+        };
+        for k in 0..n {
+            if k > 0 {
+                self.out.push(b',');
             }
+            let m = nth(k);
+            self.out
+                .extend_from_slice(&src[m.key.wrapping_add(delta)..m.end.wrapping_add(delta)]);
         }
         self.members.truncate(f.members);
         self.out.push(b'}');
@@ -1996,6 +2005,27 @@ mod tests {
             }
         }
         assert!(fast > 10_000, "the fast path was exercised {fast} times");
+    }
+
+    #[test]
+    fn large_objects_sort_and_refuse_duplicates_too() {
+        let keys: Vec<String> = (0..40).map(|k| format!("k{:02}", (k * 17) % 40)).collect();
+        let doc = |keys: &[String]| {
+            let members: Vec<String> = keys
+                .iter()
+                .map(|k| format!("\"{k}\":[{{\"b\":1,\"a\":2}}]"))
+                .collect();
+            format!("{{{}}}", members.join(","))
+        };
+        let mut sorted = keys.clone();
+        sorted.sort();
+        let expected = doc(&sorted).replace("{\"b\":1,\"a\":2}", "{\"a\":2,\"b\":1}");
+        assert_eq!(jcs(&doc(&keys)).unwrap(), expected);
+        // With whitespace the members are rewritten from the output, not the input.
+        assert_eq!(jcs(&doc(&keys).replace(',', " , ")).unwrap(), expected);
+        let mut twice = keys.clone();
+        twice[39] = twice[3].clone();
+        assert_eq!(jcs(&doc(&twice)), None);
     }
 
     #[test]
