@@ -709,7 +709,11 @@ impl Canon<'_, '_> {
         macro_rules! ws {
             () => {
                 // Whitespace is at most b' '; anything else above it ends the run at once.
-                while let Some(&(b' ' | b'\t' | b'\n' | b'\r')) = s.get(i).filter(|&&b| b <= b' ') {
+                while let Some(&b) = s.get(i) {
+                    // Whitespace is at most b' ': one test for the usual byte.
+                    if b > b' ' || !matches!(b, b' ' | b'\t' | b'\n' | b'\r') {
+                        break;
+                    }
                     i += 1;
                 }
             };
@@ -737,9 +741,19 @@ impl Canon<'_, '_> {
                 if s.get(end) == Some(&b'"') {
                     emit!(i, end + 1);
                     let content = &s[i + 1..end];
+                    prefix = match s.get(i + 1..i + 9) {
+                        // The 8 bytes from the key's start, those past its end masked off.
+                        Some(word) if content.len() < 8 => {
+                            let mut w = [0; 8];
+                            w.copy_from_slice(word);
+                            u64::from_be_bytes(w) & !(u64::MAX >> (8 * content.len()))
+                        }
+                        _ => key_prefix(content),
+                    };
+                    // An ASCII prefix of a key of up to 8 bytes is the whole key.
+                    simple = (content.len() <= 8 && prefix & 0x8080_8080_8080_8080 == 0)
+                        || content.iter().all(|&b| b < 0xF0);
                     i = end + 1;
-                    simple = content.iter().all(|&b| b < 0xF0);
-                    prefix = key_prefix(content);
                 } else {
                     call!({
                         let r = self.string();
