@@ -495,12 +495,6 @@ struct Open {
     prefix: u64,
 }
 
-/// What closing an object needs of its frame.
-struct Closing {
-    start: usize,
-    members: usize,
-}
-
 /// One written member of an open object: `out[key..end]` is `"key":value`; the key's
 /// content is `out[key + 1..colon - 1]`.
 #[derive(Clone, Copy)]
@@ -1003,15 +997,11 @@ impl Canon<'_, '_> {
     /// Closes the object whose `{` is at output position `start`, its members from
     /// `self.members[base..]`, its `}` just before `self.i`.
     fn close_members(&mut self, start: usize, base: usize) -> Option<()> {
-        let f = Closing {
-            start,
-            members: base,
-        };
         let close = self.i - 1;
         // Where the members' bytes are: still in the input when the whole object is pending
         // (no whitespace, no rewritten value), else in `out`.
         let flushed = self.out.len();
-        let in_input = f.start >= flushed;
+        let in_input = start >= flushed;
         if !in_input {
             self.flush();
         }
@@ -1020,7 +1010,7 @@ impl Canon<'_, '_> {
         } else {
             (self.out, 0)
         };
-        let members = &mut self.members[f.members..];
+        let members = &mut self.members[base..];
         let n = members.len();
         let mut moved = false;
         // The members in order, as indices: up to 16 by an insertion sort that moves bytes,
@@ -1060,16 +1050,16 @@ impl Canon<'_, '_> {
             moved = true;
         }
         if !moved {
-            self.members.truncate(f.members);
+            self.members.truncate(base);
             self.emit(close, close + 1);
             return Some(());
         }
-        let body = f.start + 1;
+        let body = start + 1;
         if in_input {
             self.pending.1 = body.wrapping_add(delta);
             self.flush();
         }
-        let members = &self.members[f.members..];
+        let members = &self.members[base..];
         let nth = |k: usize| {
             if small {
                 members[usize::from(order[k])]
@@ -1094,7 +1084,7 @@ impl Canon<'_, '_> {
             self.out
                 .extend_from_slice(&src[m.key.wrapping_add(delta)..m.end.wrapping_add(delta)]);
         }
-        self.members.truncate(f.members);
+        self.members.truncate(base);
         self.out.push(b'}');
         self.pending = (close + 1, close + 1);
         Some(())
