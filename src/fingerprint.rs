@@ -1273,7 +1273,7 @@ impl Canon<'_, '_> {
 
 /// Skips bytes that stand for themselves inside a string, 8 at a time: stops at `"`, `\`
 /// or a control. Stops only on ASCII, so it leaves char boundaries.
-#[inline]
+#[inline(always)]
 fn plain_end(s: &[u8], mut i: usize) -> usize {
     const ONES: u64 = 0x0101_0101_0101_0101;
     const HIGH: u64 = 0x8080_8080_8080_8080;
