@@ -8,6 +8,17 @@ use bytes::Bytes;
 use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
+use tokio::sync::oneshot;
+
+/// How a streamed response that the layer could not buffer ended, for the record decision
+/// that waits on it (a gRPC status arrives in the trailers, after the body).
+#[derive(Debug)]
+pub(crate) enum StreamEnd {
+    /// The body ended, with these trailers if it had any.
+    Ended(Option<HeaderMap>),
+    /// The body failed.
+    Failed,
+}
 
 pin_project! {
     /// The request body the inner service sees: the original body when the request is not
@@ -100,7 +111,7 @@ pin_project! {
     enum ResponseKind<B: Body> {
         Stream { #[pin] body: B },
         Full { data: Option<Bytes>, trailers: Option<HeaderMap> },
-        Rest { prefix: Option<Bytes>, body: Pin<Box<B>> },
+        Rest { prefix: Option<Bytes>, body: Pin<Box<B>>, end: Option<oneshot::Sender<StreamEnd>> },
         Failed { prefix: Option<Bytes>, error: Option<B::Error> },
     }
 }
@@ -119,12 +130,18 @@ impl<B: Body> ResponseBody<B> {
         }
     }
 
-    /// The bytes read so far, then the rest of a body that was partly read.
-    pub(crate) fn rest(prefix: Bytes, body: Pin<Box<B>>) -> Self {
+    /// The bytes read so far, then the rest of a body that was partly read. `end` hears how
+    /// the body ended; dropped unread, it hears nothing (the sender is dropped).
+    pub(crate) fn rest(
+        prefix: Bytes,
+        body: Pin<Box<B>>,
+        end: Option<oneshot::Sender<StreamEnd>>,
+    ) -> Self {
         Self {
             kind: ResponseKind::Rest {
                 prefix: Some(prefix),
                 body,
+                end,
             },
         }
     }
@@ -162,10 +179,23 @@ impl<B: Body<Data = Bytes>> Body for ResponseBody<B> {
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         match self.project().kind.project() {
             ResponseKindProj::Stream { body } => body.poll_frame(cx),
-            ResponseKindProj::Rest { prefix, body } => match prefix.take() {
-                Some(p) => Poll::Ready(Some(Ok(Frame::data(p)))),
-                None => body.as_mut().poll_frame(cx),
-            },
+            ResponseKindProj::Rest { prefix, body, end } => {
+                if let Some(p) = prefix.take() {
+                    return Poll::Ready(Some(Ok(Frame::data(p))));
+                }
+                let frame = std::task::ready!(body.as_mut().poll_frame(cx));
+                let ended = match &frame {
+                    Some(Ok(f)) => f.trailers_ref().map(|t| StreamEnd::Ended(Some(t.clone()))),
+                    Some(Err(_)) => Some(StreamEnd::Failed),
+                    None => Some(StreamEnd::Ended(None)),
+                };
+                if let Some(ended) = ended {
+                    if let Some(tx) = end.take() {
+                        let _ = tx.send(ended);
+                    }
+                }
+                Poll::Ready(frame)
+            }
             ResponseKindProj::Full { data, trailers } => {
                 if let Some(d) = data.take() {
                     return Poll::Ready(Some(Ok(Frame::data(d))));
@@ -184,7 +214,10 @@ impl<B: Body<Data = Bytes>> Body for ResponseBody<B> {
     fn is_end_stream(&self) -> bool {
         match &self.kind {
             ResponseKind::Stream { body } => body.is_end_stream(),
-            ResponseKind::Rest { prefix, body } => prefix.is_none() && body.is_end_stream(),
+            // Not ended while someone waits to hear the trailers: the next poll tells them.
+            ResponseKind::Rest { prefix, body, end } => {
+                prefix.is_none() && end.is_none() && body.is_end_stream()
+            }
             ResponseKind::Full { data, trailers } => data.is_none() && trailers.is_none(),
             ResponseKind::Failed { prefix, error } => prefix.is_none() && error.is_none(),
         }
@@ -193,7 +226,7 @@ impl<B: Body<Data = Bytes>> Body for ResponseBody<B> {
     fn size_hint(&self) -> SizeHint {
         match &self.kind {
             ResponseKind::Stream { body } => body.size_hint(),
-            ResponseKind::Rest { prefix, body } => {
+            ResponseKind::Rest { prefix, body, .. } => {
                 let extra = prefix.as_ref().map_or(0, |p| p.len() as u64);
                 let inner = body.size_hint();
                 let mut hint = SizeHint::new();

@@ -1,10 +1,15 @@
 //! What the inner service learns about the keyed request it runs.
 
+use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
+use bytes::Bytes;
+use http::Response;
 use sha2::{Digest, Sha256};
 
-use crate::record::{hex, Fingerprint, RecordId, Token};
+use crate::layer::Config;
+use crate::record::{hex, Completion, Fingerprint, RecordId, StoredResponse, Token};
 
 /// Put into the inner request's extensions for every keyed request the layer runs.
 ///
@@ -16,13 +21,26 @@ use crate::record::{hex, Fingerprint, RecordId, Token};
 /// # let _ = provider_key;
 /// # }
 /// ```
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct IdempotencyContext {
     key: Arc<str>,
     scope: Option<Arc<str>>,
     record_id: RecordId,
     fingerprint: Fingerprint,
     token: Token,
+    /// The layer's settings: the TTL and the rule for recorded headers.
+    config: Arc<Config>,
+    grpc: bool,
+}
+
+impl fmt::Debug for IdempotencyContext {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The key and the token's nonce stay out of logs.
+        f.debug_struct("IdempotencyContext")
+            .field("record_id", &self.record_id)
+            .field("generation", &self.token.generation())
+            .finish_non_exhaustive()
+    }
 }
 
 impl IdempotencyContext {
@@ -32,6 +50,8 @@ impl IdempotencyContext {
         record_id: RecordId,
         fingerprint: Fingerprint,
         token: Token,
+        config: Arc<Config>,
+        grpc: bool,
     ) -> Self {
         Self {
             key,
@@ -39,7 +59,27 @@ impl IdempotencyContext {
             record_id,
             fingerprint,
             token,
+            config,
+            grpc,
         }
+    }
+
+    /// How long the recorded answer is kept: the layer's retention TTL.
+    pub fn ttl(&self) -> Duration {
+        self.config.retention.ttl()
+    }
+
+    /// The answer to record for `response`, as the layer would record it (the same headers
+    /// kept), for a handler that completes its own record, such as
+    /// [`PostgresStore::record_in`](crate::store::postgres::PostgresStore::record_in).
+    /// Retries get exactly this, so pass the response the handler returns.
+    pub fn completion(&self, response: &Response<Bytes>) -> Completion {
+        Completion::Response(StoredResponse {
+            status: response.status(),
+            headers: self.config.recorded_headers(self.grpc, response.headers()),
+            body: response.body().clone(),
+            trailers: None,
+        })
     }
 
     /// The client's idempotency key.
@@ -92,13 +132,36 @@ mod tests {
     use super::*;
 
     fn ctx(scope: Option<&str>, key: &str, generation: u64) -> IdempotencyContext {
+        let layer = crate::IdempotencyLayer::new(crate::store::MemoryStore::new());
         IdempotencyContext::new(
             key.into(),
             scope.map(Into::into),
             RecordId::new(scope, key),
             Fingerprint::from_bytes([0; 32]),
-            Token::new(generation),
+            Token::from_parts(generation, [7; 16]),
+            layer.config,
+            false,
         )
+    }
+
+    #[test]
+    fn completions_keep_the_layers_headers_and_the_ttl_and_debug_hides_the_key() {
+        let c = ctx(Some("t1"), "secret-key", 1);
+        assert_eq!(c.ttl(), crate::Retention::default().ttl());
+        let res = http::Response::builder()
+            .status(201)
+            .header("content-type", "application/json")
+            .header("set-cookie", "session=1")
+            .body(Bytes::from_static(b"{}"))
+            .unwrap();
+        let Completion::Response(stored) = c.completion(&res) else {
+            panic!("a response")
+        };
+        assert_eq!(stored.status, 201);
+        assert_eq!(stored.body, "{}");
+        assert_eq!(stored.headers["content-type"], "application/json");
+        assert!(!stored.headers.contains_key("set-cookie"));
+        assert!(!format!("{c:?}").contains("secret-key"));
     }
 
     #[test]

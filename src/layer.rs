@@ -20,17 +20,32 @@ use crate::store::IdempotencyStore;
 /// under load would eat the whole interval.
 pub const MIN_LEASE: Duration = Duration::from_millis(100);
 
-/// How long a claim is held and how long an answer is kept.
+/// The default store deadline is `lease / 6`, capped at this.
+///
+/// The arithmetic: renewals are due every `lease / 3`, counted from the moment the claim was
+/// sent. A renewal that hangs is abandoned at its deadline, `lease / 6` later, half an
+/// interval before the next one is due, so one hung call never delays the next. One renewal
+/// can fail and the next still lands with a third of the lease to spare; after two failures
+/// in a row the third is sent just as the local estimate of the lease ends, so it keeps the
+/// lease only if it reaches the store sooner than the claim did. With the
+/// default 30 s lease the deadline is 1 s (the cap: a healthy store answers in
+/// milliseconds); with a 2 s lease it is 333 ms.
+pub const DEFAULT_STORE_TIMEOUT_MAX: Duration = Duration::from_secs(1);
+
+/// How long a claim is held, how long an answer is kept, and how long one store call may take.
 ///
 /// - `lease` (default 30 s): how long a claim holds the key without news from its holder.
-///   The holder renews it every `lease / 3`, so two renewals in a row can fail before it
-///   lapses. A holder that crashes blocks retries (409) for at most one lease; then a retry
+///   The holder renews it every `lease / 3`, so one renewal can fail with a third of the
+///   lease to spare, and two in a row bring it to the edge. A holder that crashes blocks retries (409) for at most one lease; then a retry
 ///   with the same request takes over.
 /// - `ttl` (default 24 h): how long a completed answer is kept, counted from completion.
+/// - the store deadline (default `lease / 6`, at most [`DEFAULT_STORE_TIMEOUT_MAX`]): every
+///   store call the layer makes is abandoned past it, and its outcome is then unknown.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Retention {
     lease: Duration,
     ttl: Duration,
+    store_timeout: Option<Duration>,
 }
 
 impl Retention {
@@ -46,7 +61,28 @@ impl Retention {
                 "ttl {ttl:?} is shorter than the lease {lease:?}"
             )));
         }
-        Ok(Self { lease, ttl })
+        Ok(Self {
+            lease,
+            ttl,
+            store_timeout: None,
+        })
+    }
+
+    /// Bounds every store call the layer makes (claim, extend, complete, release, get).
+    ///
+    /// Refused unless `0 < timeout < lease / 3`: a renewal must end, one way or the other,
+    /// before the next one is due. A call past its deadline is "unknown": a claim is then
+    /// answered 503 and released in the background if it did take effect, a renewal is
+    /// retried at its next time, a complete or release is retried while the lease lives.
+    pub fn with_store_timeout(mut self, timeout: Duration) -> Result<Self, ConfigError> {
+        if timeout.is_zero() || timeout >= self.lease / 3 {
+            return Err(ConfigError::new(format!(
+                "store timeout {timeout:?} must be above zero and below a third of the lease {:?}",
+                self.lease
+            )));
+        }
+        self.store_timeout = Some(timeout);
+        Ok(self)
     }
 
     /// The lease.
@@ -58,6 +94,13 @@ impl Retention {
     pub fn ttl(&self) -> Duration {
         self.ttl
     }
+
+    /// The deadline on each store call: the one set, or `lease / 6` capped at
+    /// [`DEFAULT_STORE_TIMEOUT_MAX`].
+    pub fn store_timeout(&self) -> Duration {
+        self.store_timeout
+            .unwrap_or_else(|| (self.lease / 6).min(DEFAULT_STORE_TIMEOUT_MAX))
+    }
 }
 
 impl Default for Retention {
@@ -65,11 +108,13 @@ impl Default for Retention {
         Self {
             lease: Duration::from_secs(30),
             ttl: Duration::from_secs(24 * 60 * 60),
+            store_timeout: None,
         }
     }
 }
 
 pub(crate) type ScopeFn = Arc<dyn Fn(&request::Parts) -> Option<String> + Send + Sync>;
+pub(crate) type FilterFn = Arc<dyn Fn(&request::Parts) -> bool + Send + Sync>;
 pub(crate) type Renderer = Arc<dyn Fn(&IdempotencyError) -> Response<Bytes> + Send + Sync>;
 
 #[derive(Clone)]
@@ -77,6 +122,7 @@ pub(crate) struct Config {
     pub(crate) store: Arc<dyn IdempotencyStore>,
     pub(crate) header: HeaderName,
     pub(crate) methods: Vec<Method>,
+    pub(crate) filter: Option<FilterFn>,
     pub(crate) key_required: bool,
     pub(crate) scope: Option<ScopeFn>,
     pub(crate) max_request_body: usize,
@@ -86,7 +132,9 @@ pub(crate) struct Config {
     pub(crate) recorded_headers: Vec<HeaderName>,
     pub(crate) policy: Arc<dyn RecordPolicy>,
     pub(crate) fail_open: bool,
+    pub(crate) release_on_no_store: bool,
     pub(crate) wait: Option<Duration>,
+    pub(crate) in_progress_retry_after: Duration,
     pub(crate) renderer: Option<Renderer>,
     pub(crate) max_grpc_request_body: usize,
     pub(crate) grpc_methods: Option<Vec<String>>,
@@ -101,6 +149,28 @@ pub(crate) const DEFAULT_GRPC_PASSTHROUGH: [&str; 3] = [
     "/grpc.reflection.v1alpha.ServerReflection/",
 ];
 
+/// Checks that `path` is `/package.Service/Method` or, for a whole service,
+/// `/package.Service/`: what a gRPC request's path can be.
+fn grpc_path(path: String) -> Result<String, ConfigError> {
+    let valid = path.strip_prefix('/').is_some_and(|rest| {
+        let mut parts = rest.split('/');
+        let service = parts.next().unwrap_or_default();
+        let method = parts.next();
+        let visible = |s: &str| s.bytes().all(|b| b.is_ascii_graphic() && b != b'/');
+        !service.is_empty()
+            && visible(service)
+            && method.is_some_and(visible)
+            && parts.next().is_none()
+    });
+    if valid {
+        Ok(path)
+    } else {
+        Err(ConfigError::new(format!(
+            "{path:?} is not a gRPC method path (`/package.Service/Method`) or service (`/package.Service/`)"
+        )))
+    }
+}
+
 /// `pattern` names one method (`/pkg.Service/Method`) or, ending in `/`, a whole service.
 fn grpc_path_matches(pattern: &str, path: &str) -> bool {
     if pattern.ends_with('/') {
@@ -111,6 +181,20 @@ fn grpc_path_matches(pattern: &str, path: &str) -> bool {
 }
 
 impl Config {
+    /// The response headers a record keeps: the one rule for the layer and for handlers
+    /// that record their own answer.
+    pub(crate) fn recorded_headers(
+        &self,
+        grpc: bool,
+        headers: &http::HeaderMap,
+    ) -> http::HeaderMap {
+        if grpc {
+            crate::response::grpc_recorded_headers(headers)
+        } else {
+            crate::response::recorded_headers(headers, &self.recorded_headers)
+        }
+    }
+
     /// Whether a gRPC request to `path` is protected: in `grpc_methods` (all when unset)
     /// and not in `grpc_passthrough`.
     pub(crate) fn grpc_protected(&self, path: &str) -> bool {
@@ -169,6 +253,7 @@ impl IdempotencyLayer {
                 store,
                 header: HeaderName::from_static("idempotency-key"),
                 methods: vec![Method::POST, Method::PATCH],
+                filter: None,
                 key_required: true,
                 scope: None,
                 max_request_body: 1 << 20,
@@ -178,7 +263,9 @@ impl IdempotencyLayer {
                 recorded_headers: default_recorded_headers(),
                 policy: Arc::new(DefaultRecordPolicy),
                 fail_open: false,
+                release_on_no_store: false,
                 wait: None,
+                in_progress_retry_after: Duration::MAX,
                 renderer: None,
                 max_grpc_request_body: 4 << 20,
                 grpc_methods: None,
@@ -200,6 +287,30 @@ impl IdempotencyLayer {
     /// The methods the layer protects (default `POST`, `PATCH`). Others pass through untouched.
     pub fn with_methods(self, methods: impl IntoIterator<Item = Method>) -> Self {
         self.edit(|c| c.methods = methods.into_iter().collect())
+    }
+
+    /// Protects only the requests `filter` selects; every other request passes through
+    /// untouched (no key needed, no buffering, no store call), like a method not in
+    /// [`with_methods`](Self::with_methods). Runs after the method check, on every request of
+    /// a protected method.
+    ///
+    /// For a router-wide layer with a route that must not be protected, such as a webhook
+    /// that arrives without a key:
+    ///
+    /// ```
+    /// # use tower_idempotency::{store::MemoryStore, IdempotencyLayer};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .with_filter(|req| !req.uri.path().starts_with("/webhooks/"));
+    /// # drop(layer);
+    /// ```
+    ///
+    /// With axum, the layer can also sit on the routes that need it alone, as in
+    /// `post(create_payment).layer(idempotency)`; see the crate docs.
+    pub fn with_filter<F>(self, filter: F) -> Self
+    where
+        F: Fn(&request::Parts) -> bool + Send + Sync + 'static,
+    {
+        self.edit(|c| c.filter = Some(Arc::new(filter)))
     }
 
     /// Whether a protected request without a key is refused with 400 (default `true`).
@@ -271,9 +382,21 @@ impl IdempotencyLayer {
     }
 
     /// Replaces the default [`RecordPolicy`]. A handler's [`RecordDecision`](crate::RecordDecision)
-    /// extension and `Cache-Control: no-store` still come first.
+    /// extension (and `Cache-Control: no-store`, when
+    /// [`with_release_on_no_store`](Self::with_release_on_no_store) is on) still come first.
     pub fn with_record_policy(self, policy: impl RecordPolicy) -> Self {
         self.edit(|c| c.policy = Arc::new(policy))
+    }
+
+    /// Releases, instead of recording, answers sent with `Cache-Control: no-store` (default
+    /// `false`).
+    ///
+    /// Off by default: many APIs send `no-store` on every response (the usual advice for
+    /// sensitive data), and reading it as "do not record" would silently turn idempotency off
+    /// and let a retry charge a card twice. To release one answer, put
+    /// [`RecordDecision::Release`](crate::RecordDecision::Release) into its extensions.
+    pub fn with_release_on_no_store(self, release: bool) -> Self {
+        self.edit(|c| c.release_on_no_store = release)
     }
 
     /// When the store fails, run the request unprotected instead of answering 503.
@@ -289,8 +412,21 @@ impl IdempotencyLayer {
         self.edit(|c| c.wait = Some(max))
     }
 
-    /// Renders the layer's errors yourself. The typed [`IdempotencyError`] also goes into the
-    /// response extensions, whichever renderer is used.
+    /// Caps the `Retry-After` of a 409 in-progress answer (gRPC: the `RetryInfo` delay) at
+    /// `max`. By default it is the remaining lease: the time after which a retry surely
+    /// makes progress (the answer is recorded, or the lease lapsed and the retry takes
+    /// over). For handlers much faster than the lease, a shorter hint lets clients come back
+    /// sooner, at the cost of more 409s; [`with_wait`](Self::with_wait) avoids the round
+    /// trips altogether.
+    pub fn with_in_progress_retry_after(self, max: Duration) -> Self {
+        self.edit(|c| c.in_progress_retry_after = max)
+    }
+
+    /// Renders the layer's HTTP errors yourself. The typed [`IdempotencyError`] also goes into
+    /// the response extensions, whichever renderer is used.
+    ///
+    /// gRPC requests always get a gRPC status (a trailers-only response): a gRPC client
+    /// cannot read an HTTP 409 or 422, so the renderer is not called for them.
     pub fn with_error_renderer<F>(self, render: F) -> Self
     where
         F: Fn(&IdempotencyError) -> Response<Bytes> + Send + Sync + 'static,
@@ -305,13 +441,19 @@ impl IdempotencyLayer {
     /// streaming methods is safest with an explicit list of the methods that change state.
     /// Each entry is a method path (`/shop.v1.Payments/CreatePayment`) or, ending in `/`, a
     /// whole service (`/shop.v1.Payments/`). Calling it again replaces the list.
-    pub fn with_grpc_methods<I, P>(self, paths: I) -> Self
+    ///
+    /// A path that cannot name a gRPC method or service (no leading `/`, no service part,
+    /// more than one method part) is refused.
+    pub fn with_grpc_methods<I, P>(self, paths: I) -> Result<Self, ConfigError>
     where
         I: IntoIterator<Item = P>,
         P: Into<String>,
     {
-        let paths = paths.into_iter().map(Into::into).collect();
-        self.edit(|c| c.grpc_methods = Some(paths))
+        let paths = paths
+            .into_iter()
+            .map(|p| grpc_path(p.into()))
+            .collect::<Result<_, _>>()?;
+        Ok(self.edit(|c| c.grpc_methods = Some(paths)))
     }
 
     /// Lets a gRPC method (`/package.Service/Method`), or a whole service (`/package.Service/`,
@@ -323,9 +465,12 @@ impl IdempotencyLayer {
     /// forever for the request to end), long-lived server streams and reads that need no
     /// key. Health checks (`/grpc.health.v1.Health/`) and server reflection are on the list
     /// from the start. The list wins over [`with_grpc_methods`](Self::with_grpc_methods).
-    pub fn with_grpc_passthrough(self, path: impl Into<String>) -> Self {
-        let path = path.into();
-        self.edit(|c| c.grpc_passthrough.push(path))
+    ///
+    /// A path that cannot name a gRPC method or service is refused, as in
+    /// [`with_grpc_methods`](Self::with_grpc_methods).
+    pub fn with_grpc_passthrough(self, path: impl Into<String>) -> Result<Self, ConfigError> {
+        let path = grpc_path(path.into())?;
+        Ok(self.edit(|c| c.grpc_passthrough.push(path)))
     }
 }
 
@@ -340,6 +485,27 @@ impl<S> Layer<S> for IdempotencyLayer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_store_timeout_defaults_to_a_sixth_of_the_lease_capped_and_must_stay_below_a_third() {
+        let r = |lease_ms| Retention::new(Duration::from_millis(lease_ms), Duration::MAX).unwrap();
+        assert_eq!(r(30_000).store_timeout(), Duration::from_secs(1));
+        assert_eq!(
+            r(2_000).store_timeout(),
+            Duration::from_millis(333) + Duration::from_nanos(333_333)
+        );
+        assert_eq!(r(100).store_timeout(), Duration::from_nanos(16_666_666));
+        let three = r(3_000);
+        assert!(
+            three.with_store_timeout(Duration::from_secs(1)).is_err(),
+            "lease / 3 itself"
+        );
+        assert!(three.with_store_timeout(Duration::ZERO).is_err());
+        let ok = three
+            .with_store_timeout(Duration::from_millis(999))
+            .unwrap();
+        assert_eq!(ok.store_timeout(), Duration::from_millis(999));
+    }
 
     #[test]
     fn retention_refuses_tiny_leases_and_ttls_shorter_than_the_lease() {
@@ -357,6 +523,26 @@ mod tests {
     }
 
     #[test]
+    fn names_that_cannot_be_grpc_paths_are_refused() {
+        let layer = || IdempotencyLayer::new(crate::store::MemoryStore::new());
+        for bad in [
+            "shop.v1.Payments/Create",
+            "/shop.v1.Payments",
+            "//Create",
+            "/shop.v1.Payments/Create/extra",
+            "/shop v1.Payments/Create",
+            "",
+        ] {
+            assert!(layer().with_grpc_methods([bad]).is_err(), "{bad:?}");
+            assert!(layer().with_grpc_passthrough(bad).is_err(), "{bad:?}");
+        }
+        for good in ["/shop.v1.Payments/Create", "/shop.v1.Payments/"] {
+            assert!(layer().with_grpc_methods([good]).is_ok(), "{good:?}");
+            assert!(layer().with_grpc_passthrough(good).is_ok(), "{good:?}");
+        }
+    }
+
+    #[test]
     fn grpc_methods_are_all_protected_except_health_reflection_and_the_passthrough_list() {
         let store = crate::store::MemoryStore::new();
         let c = config(IdempotencyLayer::new(store.clone()));
@@ -368,7 +554,9 @@ mod tests {
         let c = config(
             IdempotencyLayer::new(store.clone())
                 .with_grpc_passthrough("/shop.v1.Payments/CountCharges")
-                .with_grpc_passthrough("/shop.v1.Chat/"),
+                .unwrap()
+                .with_grpc_passthrough("/shop.v1.Chat/")
+                .unwrap(),
         );
         assert!(c.grpc_protected("/shop.v1.Payments/CreatePayment"));
         assert!(!c.grpc_protected("/shop.v1.Payments/CountCharges"));
@@ -381,7 +569,9 @@ mod tests {
         let c = config(
             IdempotencyLayer::new(store)
                 .with_grpc_methods(["/shop.v1.Payments/", "/shop.v1.Orders/Create"])
-                .with_grpc_passthrough("/shop.v1.Payments/CountCharges"),
+                .unwrap()
+                .with_grpc_passthrough("/shop.v1.Payments/CountCharges")
+                .unwrap(),
         );
         assert!(c.grpc_protected("/shop.v1.Payments/CreatePayment"));
         assert!(c.grpc_protected("/shop.v1.Orders/Create"));

@@ -84,6 +84,80 @@
 //! `examples/shop` is a complete payments API: `cargo run --example shop`. `examples/grpc` is
 //! the same shop over tonic; [`tonic_guide`] covers gRPC.
 //!
+//! ## Which routes are protected
+//!
+//! A router-wide layer protects every `POST` and `PATCH` ([`IdempotencyLayer::with_methods`]
+//! changes the set). Two ways to leave a route out, such as a webhook that arrives without a
+//! key:
+//!
+//! - put the layer on the routes that need it only: `.route("/v1/payments",
+//!   post(create_payment).layer(idempotency.clone()))`;
+//! - or keep it router-wide and select with a predicate:
+//!   `.with_filter(|req| !req.uri.path().starts_with("/webhooks/"))`.
+//!
+//! ## Nested routers
+//!
+//! `Router::nest("/v1", …)` strips `/v1` from the URI that inner routes, and a layer on them,
+//! see. With the **`axum` feature** the fingerprint reads axum's `OriginalUri`, the path the
+//! client sent, so `POST /v1/orders` and `POST /refunds/orders` under one key are a mismatch
+//! (`422`), wherever the layer sits. Without the feature, a layer inside a nested router
+//! fingerprints the stripped path: put it outside the `nest`, or give each nested router its
+//! own [scope](IdempotencyLayer::with_scope).
+//!
+//! ## The context as an extractor
+//!
+//! With the `axum` feature, a handler takes the [`IdempotencyContext`] as an argument (or an
+//! `Option<IdempotencyContext>` where the key is optional). Without the layer in front of it,
+//! the extractor answers `500` with a message that says so.
+//!
+//! ```
+//! # #[cfg(feature = "axum")]
+//! # {
+//! use axum::{http::StatusCode, routing::post, Router};
+//! use tower_idempotency::{store::MemoryStore, IdempotencyContext, IdempotencyLayer};
+//!
+//! async fn create_payment(ctx: IdempotencyContext) -> (StatusCode, String) {
+//!     // The same key for the card network on every retry and takeover of this request.
+//!     (StatusCode::CREATED, format!("charged with key {}", ctx.derive("card-network")))
+//! }
+//!
+//! let app: Router = Router::new().route(
+//!     "/v1/payments",
+//!     post(create_payment).layer(IdempotencyLayer::new(MemoryStore::new())),
+//! );
+//! # drop(app);
+//! # }
+//! ```
+//!
+//! ## Layer order, and the traps it sets
+//!
+//! - In axum, `router.layer(a).layer(b)` makes `b` the **outer** layer (the last `.layer()` call
+//!   runs first); in `ServiceBuilder` the **first** listed runs first. Authentication must be
+//!   outside this layer, so that the [scope function](IdempotencyLayer::with_scope) can read
+//!   the principal. The other way round every keyed request gets `500` scope-missing, and an
+//!   unauthenticated one gets that `500` instead of its `401`.
+//! - tonic: auth done in `with_interceptor` runs *inside* the layer (the interceptor wraps the
+//!   service, under every server-wide layer), so every protected call fails with `INTERNAL`
+//!   scope-missing. Use tonic's `InterceptorLayer` in the server's layer stack, outside this
+//!   one; see the [tonic guide](tonic_guide#authentication-and-scopes).
+//! - axum's own `Json` extractor also rejects with `422`. Clients tell a reused key from a bad
+//!   body by the problem `type` (`…/problems/#key-reused`), not by the status.
+//! - A `409`'s `Retry-After` is the remaining lease (up to 30 s for a handler that takes 1.5 s):
+//!   the time after which a retry surely makes progress. Cap it with
+//!   [`IdempotencyLayer::with_in_progress_retry_after`], or let retries wait for the answer
+//!   with [`IdempotencyLayer::with_wait`].
+//! - Transactional completion ([`RecordDecision::AlreadyRecorded`], the Postgres store's
+//!   `record_in`) should use a connection pool of its own: the store's pool carries every
+//!   claim and renewal.
+//!
+//! # The client side
+//!
+//! The server side is half of it: clients must send one key per intent and retry with
+//! jitter, within a budget and a deadline. With the `client` feature,
+//! `client::IdempotentRetryLayer` does that for any tower HTTP client (hyper-util, tonic
+//! channels): `cargo run --example client` pays the shop through it, and `examples/herd`
+//! shows what jitter does to a thundering herd.
+//!
 //! # Choosing a store
 //!
 //! | store | feature | use when |
@@ -93,7 +167,8 @@
 //! | `store::postgres::PostgresStore` | `postgres` | several replicas, durable records, or a handler that records its answer in its own transaction. |
 //!
 //! Every store passes the same conformance suite; see [`store`] for the contract and for
-//! writing your own.
+//! writing your own, and the `conformance` feature (`tower_idempotency::conformance`) to run
+//! the suite against it from your own tests.
 //!
 //! # Where to put the layer
 //!
@@ -111,25 +186,45 @@
 //! |---|---|---|
 //! | `redis` | no | `store::redis` with the `redis` crate (1.x): single node and Cluster |
 //! | `postgres` | no | `store::postgres` with `tokio-postgres` and `deadpool-postgres` |
+//! | `client` | no | `client`: the retry layer for clients, with `tower`'s retry and `httpdate` |
+//! | `axum` | no | [`IdempotencyContext`] as an axum extractor, and fingerprints of the path the client sent inside nested routers |
+//! | `conformance` | no | `conformance`: the store conformance suite, to test a custom store |
 //!
 //! # What "exactly once" means here
 //!
 //! The layer guarantees **at most one execution per (scope, key) at a time, and a replayed
 //! first answer**, within the retention TTL (24 h by default). What it cannot promise:
 //!
-//! - **A holder cut off from the store.** If a handler runs longer than its lease while its
-//!   renewals cannot reach the store, the lease lapses and a retry with the same request takes
+//! - **A holder cut off from the store, or paused.** If a handler runs longer than its lease
+//!   while its renewals cannot reach the store (or its process is paused: a GC pause, a
+//!   `SIGSTOP`, a VM migration), the lease lapses and a retry with the same request takes
 //!   over (generation 2). Both may then act. The late holder's answer is fenced and never
 //!   overwrites the record. Use [`IdempotencyContext::derive`] to give downstream calls their
-//!   own idempotency keys, so that a takeover repeats them harmlessly.
+//!   own idempotency keys, so that a takeover repeats them harmlessly. One hung or failed
+//!   renewal is harmless: renewals run every `lease / 3` at fixed times, each under its own
+//!   deadline, so one failed renewal leaves a third of the lease to spare; after two in a
+//!   row the lease is at its edge (the [guarantees] page has the exact bound).
+//! - **An answer the store would not take.** When `complete` fails (or hangs past its
+//!   deadline) on every attempt until the lease ends, the client still gets its answer, but
+//!   the record stays in progress: retries get `409` until the lease lapses, and then the
+//!   same request runs again. The error log says so.
+//! - **A claim whose reply is lost.** Every store call has a deadline
+//!   ([`Retention::with_store_timeout`]). A claim past it is answered `503` and never run; if
+//!   it did take effect, the layer releases it in the background, and if that fails too, the
+//!   key answers `409` until the lease lapses.
 //! - **A store that loses acknowledged writes**: a Redis failover before replication, a
 //!   Postgres restore from an old backup.
 //! - **After the TTL** a key is new again.
 //! - **Bodies beyond `max_response_body`** are not kept: retries get `410` with the original
-//!   status, never a second execution.
+//!   status, never a second execution. A large gRPC answer is settled by its trailing status
+//!   when the stream ends; one the client abandons before its end is kept as completed (its
+//!   status is unknown and the work ran).
 //! - Request trailers are not forwarded for keyed requests (the body is buffered).
 //! - Fingerprints are versioned (`v1`); a future version would make in-flight retries across
 //!   an upgrade answer `422`.
+//!
+//! [`guarantees`] spells out each window, the arithmetic behind the lease, renewal interval,
+//! store deadline and TTL, and every rejected input with its exact response.
 //!
 //! Errors the layer makes are responses, never `Err`: `problem+json` (RFC 9457) with a stable
 //! `type` per kind ([`problems`]) and `Cache-Control: no-store`, or a gRPC status for gRPC
@@ -137,6 +232,9 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod body;
+#[cfg(feature = "client")]
+#[cfg_attr(docsrs, doc(cfg(feature = "client")))]
+pub mod client;
 mod context;
 mod error;
 mod fingerprint;
@@ -148,11 +246,21 @@ mod response;
 mod service;
 pub mod store;
 
+#[cfg(feature = "axum")]
+mod axum;
+#[cfg(feature = "axum")]
+#[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
+pub use crate::axum::MissingIdempotencyContext;
+
+#[cfg(feature = "conformance")]
+#[cfg_attr(docsrs, doc(cfg(feature = "conformance")))]
+pub mod conformance;
+
 pub use body::{RequestBody, ResponseBody};
 pub use context::IdempotencyContext;
 pub use error::{ConfigError, ErrorKind, IdempotencyError};
 pub use fingerprint::JsonPointer;
-pub use layer::{IdempotencyLayer, Retention, MIN_LEASE};
+pub use layer::{IdempotencyLayer, Retention, DEFAULT_STORE_TIMEOUT_MAX, MIN_LEASE};
 pub use policy::{DefaultRecordPolicy, RecordDecision, RecordPolicy, ResponseInfo};
 pub use record::{
     Completion, DecodeError, Fingerprint, Record, RecordId, RecordState, StoredResponse, Token,
@@ -210,6 +318,9 @@ pub mod problems {}
 
 #[doc = include_str!("docs/tonic.md")]
 pub mod tonic_guide {}
+
+#[doc = include_str!("docs/guarantees.md")]
+pub mod guarantees {}
 
 /// Not public API: hooks for the benchmarks and the fuzz target (`fuzz/`).
 #[doc(hidden)]

@@ -118,22 +118,25 @@ pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
         })
 }
 
-/// The handler's explicit word first, then `Cache-Control: no-store`, then the policy.
+/// The handler's explicit word first, then `Cache-Control: no-store` when the user opted in,
+/// then the policy.
 pub(crate) fn decide(
     policy: &dyn RecordPolicy,
     extension: Option<RecordDecision>,
+    release_on_no_store: bool,
     info: &ResponseInfo<'_>,
 ) -> RecordDecision {
     if let Some(d) = extension {
         return d;
     }
-    let no_store = info
-        .headers
-        .get_all(http::header::CACHE_CONTROL)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .any(|d| d.trim().eq_ignore_ascii_case("no-store"));
+    let no_store = release_on_no_store
+        && info
+            .headers
+            .get_all(http::header::CACHE_CONTROL)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .any(|d| d.trim().eq_ignore_ascii_case("no-store"));
     if no_store {
         return RecordDecision::Release;
     }
@@ -207,15 +210,13 @@ mod tests {
     }
 
     #[test]
-    fn extension_then_no_store_then_policy() {
+    fn extension_then_no_store_when_opted_in_then_policy() {
         let mut h = HeaderMap::new();
         let info = ResponseInfo::new(StatusCode::CREATED, &h, None);
+        let p = &DefaultRecordPolicy;
+        assert_eq!(decide(p, None, true, &info), RecordDecision::Record);
         assert_eq!(
-            decide(&DefaultRecordPolicy, None, &info),
-            RecordDecision::Record
-        );
-        assert_eq!(
-            decide(&DefaultRecordPolicy, Some(RecordDecision::Release), &info),
+            decide(p, Some(RecordDecision::Release), false, &info),
             RecordDecision::Release
         );
         h.insert(
@@ -224,11 +225,13 @@ mod tests {
         );
         let info = ResponseInfo::new(StatusCode::CREATED, &h, None);
         assert_eq!(
-            decide(&DefaultRecordPolicy, None, &info),
-            RecordDecision::Release
+            decide(p, None, false, &info),
+            RecordDecision::Record,
+            "no-store alone must not turn idempotency off"
         );
+        assert_eq!(decide(p, None, true, &info), RecordDecision::Release);
         assert_eq!(
-            decide(&DefaultRecordPolicy, Some(RecordDecision::Record), &info),
+            decide(p, Some(RecordDecision::Record), true, &info),
             RecordDecision::Record
         );
     }

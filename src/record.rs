@@ -7,6 +7,8 @@ use bytes::{Buf, BufMut, Bytes};
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use sha2::{Digest, Sha256};
 
+use crate::store::{StoreError, StoreErrorKind};
+
 /// The store key of one idempotency record: SHA-256 of (scope, key).
 ///
 /// Stores never see the raw client key, only this hash, so a hostile key cannot
@@ -109,14 +111,15 @@ pub struct Token {
 
 impl Token {
     /// A fresh token for `generation`, with a random nonce from the OS.
-    pub fn new(generation: u64) -> Self {
-        let mut nonce = [0u8; 16];
-        // The OS generator failing is a broken machine; a zero nonce would still be
-        // fenced by the generation, so this does not panic on the request path.
-        if getrandom::fill(&mut nonce).is_err() {
-            tracing::error!("getrandom failed; idempotency token nonce is weak");
-        }
-        Self { generation, nonce }
+    ///
+    /// Fails with [`StoreErrorKind::Unavailable`] when the OS random source fails: a store
+    /// must then fail the claim (the layer answers 503). A fixed nonce would let two
+    /// different claims of one generation carry equal tokens, and each pass the other's fence.
+    pub fn generate(generation: u64) -> Result<Self, StoreError> {
+        Ok(Self {
+            generation,
+            nonce: random_nonce()?,
+        })
     }
 
     /// Rebuilds a token read back from a store.
@@ -142,6 +145,45 @@ impl fmt::Debug for Token {
             .field("generation", &self.generation)
             .finish_non_exhaustive()
     }
+}
+
+/// Why a nonce could not be made.
+#[derive(Debug)]
+struct RandomUnavailable(getrandom::Error);
+
+impl fmt::Display for RandomUnavailable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "the OS random source failed: {}", self.0)
+    }
+}
+
+impl std::error::Error for RandomUnavailable {}
+
+#[cfg(test)]
+thread_local! {
+    /// Makes [`random_nonce`] fail on this thread, as a broken OS random source would.
+    pub(crate) static FAIL_RANDOM: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Makes [`random_nonce`] return this on this thread: equal tokens, crafted.
+    pub(crate) static FIXED_NONCE: std::cell::Cell<Option<[u8; 16]>> =
+        const { std::cell::Cell::new(None) };
+}
+
+fn random_nonce() -> Result<[u8; 16], StoreError> {
+    let mut nonce = [0u8; 16];
+    #[cfg(test)]
+    if FAIL_RANDOM.with(std::cell::Cell::get) {
+        return Err(StoreError::with_source(
+            StoreErrorKind::Unavailable,
+            RandomUnavailable(getrandom::Error::UNSUPPORTED),
+        ));
+    }
+    #[cfg(test)]
+    if let Some(fixed) = FIXED_NONCE.with(std::cell::Cell::get) {
+        return Ok(fixed);
+    }
+    getrandom::fill(&mut nonce)
+        .map_err(|e| StoreError::with_source(StoreErrorKind::Unavailable, RandomUnavailable(e)))?;
+    Ok(nonce)
 }
 
 /// A recorded response, replayed byte for byte.
@@ -405,7 +447,20 @@ mod tests {
 
     #[test]
     fn tokens_of_the_same_generation_differ() {
-        assert_ne!(Token::new(1), Token::new(1));
-        assert_eq!(Token::new(7).generation(), 7);
+        assert_ne!(Token::generate(1).unwrap(), Token::generate(1).unwrap());
+        assert_eq!(Token::generate(7).unwrap().generation(), 7);
+    }
+
+    #[test]
+    fn a_failed_random_source_is_an_error_not_a_zero_nonce() {
+        FAIL_RANDOM.with(|f| f.set(true));
+        let r = Token::generate(1);
+        FAIL_RANDOM.with(|f| f.set(false));
+        let e = r.expect_err("no token without randomness");
+        assert_eq!(e.kind(), StoreErrorKind::Unavailable);
+        let source = std::error::Error::source(&e)
+            .expect("the cause is kept")
+            .to_string();
+        assert!(source.contains("random"), "{source}");
     }
 }

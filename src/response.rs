@@ -136,7 +136,7 @@ fn length_delimited(out: &mut Vec<u8>, field: u8, bytes: &[u8]) {
 }
 
 /// Standard base64 without padding, as gRPC sends `-bin` metadata.
-fn base64(bytes: &[u8]) -> String {
+pub(crate) fn base64(bytes: &[u8]) -> String {
     const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
     let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
     for chunk in bytes.chunks(3) {

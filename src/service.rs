@@ -19,7 +19,7 @@ use tokio::time::Instant;
 use tower_service::Service;
 use tracing::Instrument;
 
-use crate::body::{RequestBody, ResponseBody};
+use crate::body::{RequestBody, ResponseBody, StreamEnd};
 use crate::context::IdempotencyContext;
 use crate::error::{ErrorKind, IdempotencyError};
 use crate::fingerprint::fingerprint;
@@ -28,7 +28,7 @@ use crate::layer::Config;
 use crate::policy::{decide, is_grpc, RecordDecision, ResponseInfo};
 use crate::record::{Completion, Fingerprint, RecordId, RecordState, StoredResponse, Token};
 use crate::response;
-use crate::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
+use crate::store::{Claim, ClaimOutcome, StoreError, StoreErrorKind};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type Panic = Box<dyn Any + Send + 'static>;
@@ -113,6 +113,20 @@ where
         if !eligible {
             return ResponseFuture::passthrough(self.inner.call(req.map(RequestBody::stream)));
         }
+        let req = match &cfg.filter {
+            None => req,
+            Some(filter) => {
+                let (parts, body) = req.into_parts();
+                let selected = filter(&parts);
+                let req = Request::from_parts(parts, body);
+                if !selected {
+                    return ResponseFuture::passthrough(
+                        self.inner.call(req.map(RequestBody::stream)),
+                    );
+                }
+                req
+            }
+        };
         // 2. Key.
         let key = match key::extract(req.headers(), &cfg.header) {
             Ok(Some(key)) => key,
@@ -142,17 +156,56 @@ where
     }
 }
 
-/// Renders a layer-made error in the request's protocol.
+/// Renders a layer-made error in the request's protocol. The user's renderer is for HTTP
+/// only: a gRPC client cannot read an HTTP 409 or 422.
 fn render<B: Body>(cfg: &Config, grpc: bool, err: IdempotencyError) -> Response<ResponseBody<B>> {
     let rendered = match &cfg.renderer {
+        _ if grpc => response::grpc_status(&err),
         Some(r) => r(&err),
-        None if grpc => response::grpc_status(&err),
         None => response::problem(&err),
     };
     response::error_response(rendered, err)
 }
 
 type Answer<B, E> = Result<Response<ResponseBody<B>>, E>;
+/// What the detached task hands back to the response future: an answer, or a panic to resume.
+type Delivery<B, E> = Result<Answer<B, E>, Panic>;
+
+/// About 30 years: later than any deadline that matters, small enough to add to any `Instant`.
+const FAR_FUTURE: Duration = Duration::from_secs(30 * 365 * 24 * 3600);
+
+/// `at + d`, or far in the future where that would overflow: a "wait forever" or "keep
+/// forever" setting must not panic.
+fn deadline(at: Instant, d: Duration) -> Instant {
+    at.checked_add(d).unwrap_or_else(|| at + FAR_FUTURE)
+}
+
+/// Runs one store call under `until`. Past it the outcome is unknown, not failed: the call
+/// may still take effect, so no caller reads a timeout as "did not happen".
+async fn bounded<T>(
+    until: Instant,
+    call: impl Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    match tokio::time::timeout_at(until, call).await {
+        Ok(result) => result,
+        Err(elapsed) => Err(StoreError::with_source(StoreErrorKind::Unknown, elapsed)),
+    }
+}
+
+/// Displays an error with its whole source chain: "a: b: c".
+struct Chain<'a>(&'a (dyn std::error::Error + 'static));
+
+impl fmt::Display for Chain<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut source = self.0.source();
+        while let Some(e) = source {
+            write!(f, ": {e}")?;
+            source = e.source();
+        }
+        Ok(())
+    }
+}
 
 struct Flow {
     cfg: Arc<Config>,
@@ -182,7 +235,7 @@ impl Flow {
             Some(f) => match f(&parts) {
                 Some(s) => Some(s.into()),
                 None => {
-                    tracing::error!("idempotency scope function returned None; is the layer ordered before auth?");
+                    tracing::error!("idempotency scope function returned None: the idempotency layer runs before the layer that sets the scope. Put authentication outside it: with axum, call `.layer(auth)` after `.layer(idempotency)` (the last `.layer()` call is the outermost); with ServiceBuilder or tonic, list the auth layer first");
                     let err = IdempotencyError::new(
                         ErrorKind::ScopeMissing,
                         "the request's idempotency scope could not be determined",
@@ -237,22 +290,23 @@ impl Flow {
         };
         // 6. Claim, inline: a replay or a conflict costs no task. A response future dropped
         // mid-claim leaves the claim to `PendingClaim`, which releases it if it was won.
-        let claim = match keyed.claim().instrument(span.clone()).await {
+        let (claim, sent) = match keyed.claim().instrument(span.clone()).await {
             Step::Answer(res) => return Ok(res),
             Step::FailOpen => {
                 let mut inner = inner;
                 let req = Request::from_parts(parts, RequestBody::buffered(bytes));
                 return inner.call(req).await.map(|r| r.map(ResponseBody::stream));
             }
-            Step::Claimed(claim) => claim,
+            Step::Claimed(claim, sent) => (claim, sent),
         };
         // 7-9 run on their own task: a dropped response future (client gone, deadline)
-        // cannot cancel the work between the claim and the record.
+        // cannot cancel the work between the claim and the record. The task hands the answer
+        // over as soon as it has one, and settles released claims after that.
         let (tx, rx) = tokio::sync::oneshot::channel();
         tokio::spawn(
             async move {
-                let answer = keyed.execute(inner, parts, bytes, claim).await;
-                let _ = tx.send(answer);
+                let lease = Lease::new(sent, &keyed.flow.cfg.retention);
+                keyed.execute(inner, parts, bytes, claim, lease, tx).await;
             }
             .instrument(span),
         );
@@ -268,8 +322,8 @@ impl Flow {
 /// What the claim step decided.
 #[allow(clippy::large_enum_variant)] // lives on the stack for one await
 enum Step<B: Body> {
-    /// Run the inner service under this claim.
-    Claimed(Claim),
+    /// Run the inner service under this claim, sent to the store at this instant.
+    Claimed(Claim, Instant),
     /// Answer without running: a replay, a conflict, a mismatch, a store error.
     Answer(Response<ResponseBody<B>>),
     /// The store failed and the layer fails open: run unprotected.
@@ -278,13 +332,14 @@ enum Step<B: Body> {
 
 type ClaimFuture = Pin<Box<dyn Future<Output = Result<ClaimOutcome, StoreError>> + Send>>;
 
-/// A claim in flight. Dropped before it resolves (its response future was dropped), it
-/// finishes on its own task and releases the claim if it won it, so the key is not held
-/// for a whole lease by a request that will never run.
+/// A claim in flight. Dropped before it resolves (its deadline passed, or its response
+/// future was dropped), it finishes on its own task and releases the claim if it won it, so
+/// the key is not held for a whole lease by a request that will never run.
 struct PendingClaim {
     future: Option<ClaimFuture>,
-    store: Arc<dyn IdempotencyStore>,
+    cfg: Arc<Config>,
     id: RecordId,
+    sent: Instant,
 }
 
 impl Future for PendingClaim {
@@ -306,16 +361,85 @@ impl Drop for PendingClaim {
         let Some(future) = self.future.take() else {
             return;
         };
-        let (store, id) = (self.store.clone(), self.id);
+        let (cfg, id) = (self.cfg.clone(), self.id);
+        // A claim that took effect holds the key for one lease from when it was sent at the
+        // earliest; past that it lapses on its own, so nothing waits longer.
+        let lease_end = deadline(self.sent, cfg.retention.lease());
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(async move {
-                if let Ok(ClaimOutcome::Claimed(claim)) = future.await {
-                    if let Err(e) = store.release(&id, &claim.token).await {
-                        tracing::warn!(error = %e, "could not release a claim whose request went away; it lapses with its lease");
+                if let Ok(Ok(ClaimOutcome::Claimed(claim))) =
+                    tokio::time::timeout_at(lease_end, future).await
+                {
+                    let store = &*cfg.store;
+                    let timeout = cfg.retention.store_timeout();
+                    let released = retry_until(lease_end, timeout, || store.release(&id, &claim.token)).await;
+                    if let Err(e) = released {
+                        tracing::warn!(error = %Chain(&e), "could not release a claim whose request went away; it lapses with its lease");
                     }
                 }
             });
         }
+    }
+}
+
+/// The holder's view of its lease. Every instant is taken when a call was *sent*, so the
+/// local estimate of the lease's end is never later than the store's own.
+struct Lease {
+    length: Duration,
+    every: Duration,
+    timeout: Duration,
+    state: Mutex<LeaseState>,
+}
+
+struct LeaseState {
+    /// When the last claim or renewal that succeeded was sent.
+    renewed: Instant,
+    /// When the last renewal was due (the claim's send time before the first).
+    due: Instant,
+}
+
+impl Lease {
+    fn new(sent: Instant, retention: &crate::Retention) -> Self {
+        let length = retention.lease();
+        Self {
+            length,
+            // lease / 3: one renewal can fail (a store blip) and the next lands with a third of
+            // the lease to spare; after two failures the third is sent at the lease's edge.
+            every: length / 3,
+            timeout: retention.store_timeout(),
+            state: Mutex::new(LeaseState {
+                renewed: sent,
+                due: sent,
+            }),
+        }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, LeaseState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The local estimate of when the lease lapses.
+    fn end(&self) -> Instant {
+        deadline(self.state().renewed, self.length)
+    }
+
+    /// When the next renewal is due. Renewals run at fixed times from the claim's send
+    /// time; one that is already due (a late claim reply) runs at once. A schedule more than
+    /// one interval behind restarts from now rather than firing a burst.
+    fn next_due(&self) -> Instant {
+        let mut state = self.state();
+        let now = Instant::now();
+        let mut next = deadline(state.due, self.every);
+        if deadline(next, self.every) <= now {
+            next = now;
+        }
+        state.due = next;
+        next
+    }
+
+    fn renewed(&self, sent: Instant) {
+        let mut state = self.state();
+        state.renewed = state.renewed.max(sent);
     }
 }
 
@@ -336,8 +460,15 @@ enum Work<B: Body> {
         data: Bytes,
         trailers: Option<HeaderMap>,
     },
-    /// Larger than `max_response_body`: a tombstone.
+    /// Larger than `max_response_body`, and to be recorded: a tombstone.
     TooLarge(Response<ResponseBody<B>>),
+    /// Larger than `max_response_body`, undecided until the stream ends (gRPC: the status is
+    /// in the trailers). The response streams to the client; `end` hears how it ended.
+    Streaming {
+        response: Response<ResponseBody<B>>,
+        extension: Option<RecordDecision>,
+        end: tokio::sync::oneshot::Receiver<StreamEnd>,
+    },
     /// The body failed while being read.
     Failed(Response<ResponseBody<B>>),
 }
@@ -346,37 +477,67 @@ fn outcome(name: &'static str) {
     tracing::Span::current().record("outcome", name);
 }
 
+/// Retries `op` until it succeeds, is fenced, or `until` passes. Each attempt runs under
+/// its own deadline, `timeout` from its start and never past `until`.
+async fn retry_until<F, Fut>(until: Instant, timeout: Duration, mut op: F) -> Result<(), StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<(), StoreError>>,
+{
+    let mut pause = BACKOFF_START;
+    loop {
+        let attempt = deadline(Instant::now(), timeout).min(until);
+        let err = match bounded(attempt, op()).await {
+            Ok(()) => return Ok(()),
+            Err(e) if e.is_fenced() => return Err(e),
+            Err(e) => e,
+        };
+        if deadline(Instant::now(), pause) >= until {
+            return Err(err);
+        }
+        tracing::warn!(error = %Chain(&err), "idempotency store call failed; retrying");
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(BACKOFF_MAX);
+    }
+}
+
 impl Keyed {
     async fn claim<B: Body>(&self) -> Step<B> {
         let cfg = &*self.flow.cfg;
         let (lease, ttl) = (cfg.retention.lease(), cfg.retention.ttl());
-        let wait_until = cfg.wait.map(|w| Instant::now() + w);
+        let timeout = cfg.retention.store_timeout();
+        let wait_until = cfg.wait.map(|w| deadline(Instant::now(), w));
         loop {
+            // The lease clock starts here: the store cannot have started it earlier.
+            let sent = Instant::now();
             let pending = PendingClaim {
                 future: Some({
                     let (store, id, fp) = (cfg.store.clone(), self.id, self.fp);
                     Box::pin(async move { store.claim(&id, &fp, lease, ttl).await })
                 }),
-                store: cfg.store.clone(),
+                cfg: self.flow.cfg.clone(),
                 id: self.id,
+                sent,
             };
-            let record = match pending.await {
-                Ok(ClaimOutcome::Claimed(claim)) => return Step::Claimed(claim),
+            let record = match bounded(deadline(sent, timeout), pending).await {
+                Ok(ClaimOutcome::Claimed(claim)) => return Step::Claimed(claim, sent),
                 Ok(ClaimOutcome::Existing(record)) => record,
                 Err(e) if cfg.fail_open => {
                     outcome("store_error");
-                    tracing::warn!(error = %e, "idempotency store failed; running unprotected (fail open)");
+                    tracing::warn!(error = %Chain(&e), "idempotency store failed; running unprotected (fail open)");
                     return Step::FailOpen;
                 }
                 Err(e) => {
                     outcome("store_error");
-                    tracing::error!(error = %e, "idempotency store failed; refusing the request (fail closed)");
-                    let err = IdempotencyError::new(
-                        ErrorKind::StoreUnavailable,
-                        "the idempotency store is unavailable; the request was not processed",
-                    )
-                    .retry_after(STORE_RETRY_AFTER)
-                    .source(e);
+                    tracing::error!(error = %Chain(&e), "idempotency store failed; refusing the request (fail closed)");
+                    let detail = if e.kind() == StoreErrorKind::Unknown {
+                        "the idempotency store did not answer in time; the request was not processed"
+                    } else {
+                        "the idempotency store is unavailable; the request was not processed"
+                    };
+                    let err = IdempotencyError::new(ErrorKind::StoreUnavailable, detail)
+                        .retry_after(STORE_RETRY_AFTER)
+                        .source(e);
                     return Step::Answer(self.flow.error(err));
                 }
             };
@@ -410,7 +571,7 @@ impl Keyed {
                         ErrorKind::InProgress,
                         "a request with this idempotency key is still being processed",
                     )
-                    .retry_after(lease_remaining);
+                    .retry_after(lease_remaining.min(cfg.in_progress_retry_after));
                     return Step::Answer(self.flow.error(err));
                 }
             }
@@ -419,14 +580,16 @@ impl Keyed {
 
     /// Wait mode: polls until the record is no longer a live claim (`true`), or `until` passes.
     async fn wait_for_change(&self, until: Instant) -> bool {
+        let cfg = &*self.flow.cfg;
         let mut pause = BACKOFF_START;
         loop {
-            if Instant::now() + pause > until {
+            if deadline(Instant::now(), pause) > until {
                 return false;
             }
             tokio::time::sleep(pause).await;
             pause = (pause * 2).min(BACKOFF_MAX);
-            match self.flow.cfg.store.get(&self.id).await {
+            let read = deadline(Instant::now(), cfg.retention.store_timeout());
+            match bounded(read, cfg.store.get(&self.id)).await {
                 Ok(Some(r)) if matches!(r.state, RecordState::InProgress { lease_remaining } if !lease_remaining.is_zero()) =>
                     {}
                 // Completed, released, lapsed or a store error: claim again to find out.
@@ -435,19 +598,20 @@ impl Keyed {
         }
     }
 
-    /// 7. Run the inner service once, renewing the lease. 8. Settle. 9. Answer.
+    /// Steps 7 to 9: run the inner service once, renewing the lease; settle; answer through
+    /// `tx` as soon as the answer is known (a released answer does not wait for its release).
     async fn execute<S, ReqB, ResB>(
         &self,
         mut inner: S,
         mut parts: request::Parts,
         bytes: Bytes,
         Claim { token, takeover }: Claim,
-    ) -> Result<Answer<ResB, S::Error>, Panic>
-    where
+        lease: Lease,
+        tx: tokio::sync::oneshot::Sender<Delivery<ResB, S::Error>>,
+    ) where
         S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
         ResB: Body<Data = Bytes>,
     {
-        let cfg = &*self.flow.cfg;
         tracing::Span::current().record("generation", token.generation());
         if takeover {
             tracing::warn!(generation = token.generation(), "took over a claim whose lease lapsed; the earlier attempt may have done part of the work");
@@ -458,53 +622,108 @@ impl Keyed {
             self.id,
             self.fp,
             token,
+            self.flow.cfg.clone(),
+            self.flow.grpc,
         );
         parts.extensions.insert(ctx);
         let req = Request::from_parts(parts, RequestBody::buffered(bytes));
 
-        let lease = cfg.retention.lease();
-        // The local estimate of the lease's end: taken when a claim/extend was *sent*, so
-        // it is never later than the store's own deadline.
-        let renewed_at = Mutex::new(Instant::now());
         let work = AssertUnwindSafe(self.work(&mut inner, req)).catch_unwind();
-        let renew = renew(&*cfg.store, &self.id, &token, lease, &renewed_at);
         let result = tokio::select! {
             biased;
             r = work => r,
-            never = renew => match never {},
+            never = self.renew(&token, &lease) => match never {},
         };
-        let lease_end = *renewed_at.lock().unwrap_or_else(|e| e.into_inner()) + lease;
-
-        let work = match result {
+        match result {
             Err(panic) => {
                 outcome("released");
-                self.release(&token, lease_end).await;
-                return Err(panic);
+                let _ = tx.send(Err(panic));
+                self.release(&token, &lease).await;
             }
             Ok(Err(e)) => {
                 outcome("released");
-                self.release(&token, lease_end).await;
-                return Ok(Err(e));
+                let _ = tx.send(Ok(Err(e)));
+                self.release(&token, &lease).await;
             }
-            Ok(Ok(work)) => work,
-        };
-        let response = match work {
+            Ok(Ok(work)) => self.settle(work, &token, &lease, tx).await,
+        }
+    }
+
+    /// 8. Record or release what the work produced, and answer.
+    async fn settle<ResB, E>(
+        &self,
+        work: Work<ResB>,
+        token: &Token,
+        lease: &Lease,
+        tx: tokio::sync::oneshot::Sender<Delivery<ResB, E>>,
+    ) where
+        ResB: Body<Data = Bytes>,
+    {
+        let cfg = &*self.flow.cfg;
+        match work {
             Work::Unbuffered(RecordDecision::AlreadyRecorded, res) => {
                 outcome("executed");
-                res
+                let _ = tx.send(Ok(Ok(res)));
+                self.check_recorded_by_handler(token).await;
             }
             Work::Unbuffered(_, res) | Work::Failed(res) => {
                 outcome("released");
-                self.release(&token, lease_end).await;
-                res
+                let _ = tx.send(Ok(Ok(res)));
+                self.release(token, lease).await;
             }
             Work::TooLarge(res) => {
                 outcome("tombstoned");
                 let tomb = Completion::Tombstone {
                     status: res.status(),
                 };
-                self.complete(&token, &tomb, lease_end).await;
-                res
+                self.complete(token, &tomb, lease).await;
+                let _ = tx.send(Ok(Ok(res)));
+            }
+            Work::Streaming {
+                response,
+                extension,
+                end,
+            } => {
+                let status = response.status();
+                let head = response.headers().clone();
+                let _ = tx.send(Ok(Ok(response)));
+                // The client reads the stream; the claim stays renewed until it ends.
+                let ended = tokio::select! {
+                    biased;
+                    ended = end => ended,
+                    never = self.renew(token, lease) => match never {},
+                };
+                let decision = match ended {
+                    Ok(StreamEnd::Ended(trailers)) => {
+                        let info = ResponseInfo::new(status, &head, trailers.as_ref());
+                        match self.decide(extension, &info) {
+                            Ok(d) => d,
+                            Err(panic) => {
+                                tracing::error!(panic = panic_message(&*panic), "the record policy panicked after the response streamed; released");
+                                RecordDecision::Release
+                            }
+                        }
+                    }
+                    Ok(StreamEnd::Failed) => RecordDecision::Release,
+                    // The client dropped the stream before its end: the status is unknown
+                    // and the work ran, so it must not run again.
+                    Err(_) => RecordDecision::Record,
+                };
+                match decision {
+                    RecordDecision::Record => {
+                        outcome("tombstoned");
+                        self.complete(token, &Completion::Tombstone { status }, lease)
+                            .await;
+                    }
+                    RecordDecision::Release => {
+                        outcome("released");
+                        self.release(token, lease).await;
+                    }
+                    RecordDecision::AlreadyRecorded => {
+                        outcome("executed");
+                        self.check_recorded_by_handler(token).await;
+                    }
+                }
             }
             Work::Buffered {
                 parts,
@@ -512,32 +731,57 @@ impl Keyed {
                 trailers,
             } => {
                 let info = ResponseInfo::new(parts.status, &parts.headers, trailers.as_ref());
-                match decide(&*cfg.policy, parts.extensions.get().copied(), &info) {
+                let decision = match self.decide(parts.extensions.get().copied(), &info) {
+                    Ok(d) => d,
+                    Err(panic) => {
+                        outcome("released");
+                        let _ = tx.send(Err(panic));
+                        self.release(token, lease).await;
+                        return;
+                    }
+                };
+                match decision {
                     RecordDecision::Record => {
                         outcome("executed");
                         let stored = StoredResponse {
                             status: parts.status,
-                            headers: if self.flow.grpc {
-                                response::grpc_recorded_headers(&parts.headers)
-                            } else {
-                                response::recorded_headers(&parts.headers, &cfg.recorded_headers)
-                            },
+                            headers: cfg.recorded_headers(self.flow.grpc, &parts.headers),
                             body: data.clone(),
                             trailers: trailers.clone(),
                         };
-                        self.complete(&token, &Completion::Response(stored), lease_end)
+                        self.complete(token, &Completion::Response(stored), lease)
                             .await;
+                        let res = Response::from_parts(parts, ResponseBody::full(data, trailers));
+                        let _ = tx.send(Ok(Ok(res)));
                     }
                     RecordDecision::Release => {
                         outcome("released");
-                        self.release(&token, lease_end).await;
+                        let res = Response::from_parts(parts, ResponseBody::full(data, trailers));
+                        let _ = tx.send(Ok(Ok(res)));
+                        self.release(token, lease).await;
                     }
-                    RecordDecision::AlreadyRecorded => outcome("executed"),
+                    RecordDecision::AlreadyRecorded => {
+                        outcome("executed");
+                        let res = Response::from_parts(parts, ResponseBody::full(data, trailers));
+                        let _ = tx.send(Ok(Ok(res)));
+                        self.check_recorded_by_handler(token).await;
+                    }
                 }
-                Response::from_parts(parts, ResponseBody::full(data, trailers))
             }
-        };
-        Ok(Ok(response))
+        }
+    }
+
+    /// The record decision; a panicking user policy is caught so the claim can be released
+    /// before the panic is resumed in the caller.
+    fn decide(
+        &self,
+        extension: Option<RecordDecision>,
+        info: &ResponseInfo<'_>,
+    ) -> Result<RecordDecision, Panic> {
+        let cfg = &*self.flow.cfg;
+        std::panic::catch_unwind(AssertUnwindSafe(|| {
+            decide(&*cfg.policy, extension, cfg.release_on_no_store, info)
+        }))
     }
 
     /// Calls the inner service and reads the body as far as the record needs.
@@ -552,11 +796,19 @@ impl Keyed {
     {
         let cfg = &*self.flow.cfg;
         let (parts, body) = inner.call(req).await?.into_parts();
-        // HTTP decides on the head, so released answers stream unbuffered. gRPC's status
-        // is in the trailers: read first, decide after.
-        if !self.flow.grpc {
+        let extension: Option<RecordDecision> = parts.extensions.get().copied();
+        // HTTP decides on the head, so released answers stream unbuffered. gRPC's status is
+        // in the trailers, so only the handler's own word or a trailers-only answer (status
+        // in the head) decides early; otherwise read first, decide after.
+        let decided_on_head = !self.flow.grpc
+            || matches!(
+                extension,
+                Some(RecordDecision::Release | RecordDecision::AlreadyRecorded)
+            )
+            || parts.headers.contains_key("grpc-status");
+        if decided_on_head {
             let info = ResponseInfo::new(parts.status, &parts.headers, None);
-            let decision = decide(&*cfg.policy, parts.extensions.get().copied(), &info);
+            let decision = decide(&*cfg.policy, extension, cfg.release_on_no_store, &info);
             if decision != RecordDecision::Record {
                 return Ok(Work::Unbuffered(
                     decision,
@@ -582,13 +834,23 @@ impl Keyed {
             };
             match frame.into_data() {
                 Ok(data) => {
-                    if buf.len() + data.len() > cfg.max_response_body {
-                        buf.extend_from_slice(&data);
-                        let res =
-                            Response::from_parts(parts, ResponseBody::rest(buf.freeze(), body));
-                        return Ok(Work::TooLarge(res));
-                    }
                     buf.extend_from_slice(&data);
+                    if buf.len() > cfg.max_response_body {
+                        let prefix = buf.freeze();
+                        if decided_on_head || extension == Some(RecordDecision::Record) {
+                            let res =
+                                Response::from_parts(parts, ResponseBody::rest(prefix, body, None));
+                            return Ok(Work::TooLarge(res));
+                        }
+                        let (tx, end) = tokio::sync::oneshot::channel();
+                        let response =
+                            Response::from_parts(parts, ResponseBody::rest(prefix, body, Some(tx)));
+                        return Ok(Work::Streaming {
+                            response,
+                            extension,
+                            end,
+                        });
+                    }
                 }
                 Err(frame) => {
                     if let Ok(t) = frame.into_trailers() {
@@ -604,71 +866,100 @@ impl Keyed {
         })
     }
 
-    /// Records with retries while the lease lives; then answers anyway and logs.
-    async fn complete(&self, token: &Token, completion: &Completion, lease_end: Instant) {
-        let ttl = self.flow.cfg.retention.ttl();
-        let store = &*self.flow.cfg.store;
-        retry(lease_end, "complete", || {
+    /// Records, retrying while the lease lives; then the caller answers anyway.
+    async fn complete(&self, token: &Token, completion: &Completion, lease: &Lease) {
+        let cfg = &*self.flow.cfg;
+        let (store, ttl) = (&*cfg.store, cfg.retention.ttl());
+        let result = retry_until(lease.end(), lease.timeout, || {
             store.complete(&self.id, token, completion, ttl)
         })
         .await;
-    }
-
-    /// Releases with retries while the lease lives; a failed release lapses with the lease.
-    async fn release(&self, token: &Token, lease_end: Instant) {
-        let store = &*self.flow.cfg.store;
-        retry(lease_end, "release", || store.release(&self.id, token)).await;
-    }
-}
-
-async fn retry<F, Fut>(lease_end: Instant, what: &'static str, mut op: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<(), crate::store::StoreError>>,
-{
-    let mut pause = BACKOFF_START;
-    loop {
-        match op().await {
-            Ok(()) => return,
+        match result {
+            Ok(()) => {}
             Err(e) if e.is_fenced() => {
-                tracing::error!(error = %e, "idempotency {what} fenced: the lease lapsed and another attempt took over");
-                return;
+                if self.completed_by(token).await == Some(true) {
+                    tracing::warn!("the handler completed the record itself; mark its response with RecordDecision::AlreadyRecorded so the layer does not try again");
+                } else {
+                    tracing::error!(error = %Chain(&e), "idempotency record fenced: the lease lapsed and another attempt took over; this answer was not recorded");
+                }
             }
             Err(e) => {
-                if Instant::now() + pause >= lease_end {
-                    tracing::error!(error = %e, "idempotency {what} failed until the lease ran out; the record stays in progress until it lapses");
-                    return;
+                tracing::error!(error = %Chain(&e), "idempotency record failed until the lease ran out; the answer goes to the client unrecorded and the key stays in progress until its lease lapses")
+            }
+        }
+    }
+
+    /// Releases, retrying while the lease lives; a failed release lapses with the lease.
+    async fn release(&self, token: &Token, lease: &Lease) {
+        let store = &*self.flow.cfg.store;
+        let result = retry_until(lease.end(), lease.timeout, || {
+            store.release(&self.id, token)
+        })
+        .await;
+        match result {
+            Ok(()) => {}
+            Err(e) if e.is_fenced() => {
+                tracing::error!(error = %Chain(&e), "idempotency release fenced: the lease lapsed and another attempt took over");
+            }
+            Err(e) => {
+                tracing::error!(error = %Chain(&e), "idempotency release failed until the lease ran out; retries get 409 until it lapses")
+            }
+        }
+    }
+
+    /// Whether the record is completed by this token's generation (`None`: unknown).
+    async fn completed_by(&self, token: &Token) -> Option<bool> {
+        let cfg = &*self.flow.cfg;
+        let read = deadline(Instant::now(), cfg.retention.store_timeout());
+        match bounded(read, cfg.store.get(&self.id)).await {
+            Ok(Some(r)) => Some(
+                matches!(r.state, RecordState::Completed(_)) && r.generation == token.generation(),
+            ),
+            Ok(None) => Some(false),
+            Err(_) => None,
+        }
+    }
+
+    /// After `RecordDecision::AlreadyRecorded`: says so if the handler did not complete the
+    /// record, since retries then get 409 for a lease and a takeover runs the work again.
+    async fn check_recorded_by_handler(&self, token: &Token) {
+        if self.completed_by(token).await == Some(false) {
+            tracing::error!("the handler marked its response RecordDecision::AlreadyRecorded, but the record was not completed by its claim; retries get 409 until the lease lapses, then run again");
+        }
+    }
+
+    /// Renews the lease at fixed times for as long as it is polled. Never returns. Each
+    /// renewal runs under its own deadline, below `lease / 3`, so it ends before the next
+    /// one is due: one hung or failed renewal never delays the next.
+    async fn renew(&self, token: &Token, lease: &Lease) -> std::convert::Infallible {
+        let store = &*self.flow.cfg.store;
+        loop {
+            tokio::time::sleep_until(lease.next_due()).await;
+            let sent = Instant::now();
+            let until = deadline(sent, lease.timeout);
+            match bounded(until, store.extend(&self.id, token, lease.length)).await {
+                Ok(()) => lease.renewed(sent),
+                Err(e) if e.is_fenced() => {
+                    // Completed by the handler's own transaction (AlreadyRecorded) is quiet.
+                    if self.completed_by(token).await != Some(true) {
+                        tracing::error!(error = %Chain(&e), "idempotency lease lost to another attempt; this run will not be recorded");
+                    }
+                    return std::future::pending().await;
                 }
-                tracing::warn!(error = %e, "idempotency {what} failed; retrying");
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(BACKOFF_MAX);
+                Err(e) => {
+                    tracing::warn!(error = %Chain(&e), "idempotency lease renewal failed; the next one runs on schedule");
+                }
             }
         }
     }
 }
 
-/// Renews the lease every `lease / 3` for as long as it is polled. Never returns.
-async fn renew(
-    store: &dyn IdempotencyStore,
-    id: &RecordId,
-    token: &Token,
-    lease: Duration,
-    renewed_at: &Mutex<Instant>,
-) -> std::convert::Infallible {
-    // lease / 3: two renewals in a row can fail (a store blip) before the lease lapses.
-    let every = lease / 3;
-    loop {
-        tokio::time::sleep(every).await;
-        let sent = Instant::now();
-        match store.extend(id, token, lease).await {
-            Ok(()) => *renewed_at.lock().unwrap_or_else(|e| e.into_inner()) = sent,
-            Err(e) if e.is_fenced() => {
-                tracing::error!(error = %e, "idempotency lease lost to another attempt; this run will not be recorded");
-                return std::future::pending().await;
-            }
-            Err(e) => tracing::warn!(error = %e, "idempotency lease renewal failed; retrying"),
-        }
-    }
+fn panic_message(panic: &(dyn Any + Send)) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("a non-string panic")
 }
 
 fn content_length(headers: &HeaderMap) -> Option<u64> {

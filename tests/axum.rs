@@ -229,3 +229,120 @@ async fn a_custom_renderer_shapes_the_errors() {
     assert_eq!(res.status(), StatusCode::BAD_REQUEST);
     assert_eq!(body_json(res).await["error"]["code"], "key-missing");
 }
+
+// Integration: routes, nesting, the extractor ----------------------------------------------
+
+/// A handler that names itself, so a replay from another endpoint would show.
+fn named(name: &'static str, calls: Arc<AtomicUsize>) -> axum::routing::MethodRouter {
+    post(move || {
+        calls.fetch_add(1, Ordering::SeqCst);
+        async move { (StatusCode::CREATED, name) }
+    })
+}
+
+#[tokio::test]
+async fn a_filter_exempts_a_webhook_route_from_a_router_wide_layer() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .with_filter(|req| !req.uri.path().starts_with("/webhooks/"));
+    let app = Router::new()
+        .route("/webhooks/psp", named("hook", calls.clone()))
+        .route("/pay", named("pay", calls.clone()))
+        .layer(layer);
+    for _ in 0..2 {
+        let res = app
+            .clone()
+            .oneshot(req("/webhooks/psp", None, "{}"))
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 201, "no key needed, never replayed");
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    let res = app.oneshot(req("/pay", None, "{}")).await.unwrap();
+    assert_eq!(res.status(), 400, "the rest stays protected");
+}
+
+#[tokio::test]
+async fn the_layer_on_one_route_protects_that_route_only() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let layer = IdempotencyLayer::new(MemoryStore::new());
+    let app = Router::new()
+        .route("/pay", named("pay", calls.clone()).layer(layer))
+        .route("/webhooks/psp", named("hook", calls.clone()));
+    assert_eq!(
+        app.clone()
+            .oneshot(req("/webhooks/psp", None, "{}"))
+            .await
+            .unwrap()
+            .status(),
+        201
+    );
+    assert_eq!(
+        app.clone()
+            .oneshot(req("/pay", None, "{}"))
+            .await
+            .unwrap()
+            .status(),
+        400
+    );
+    app.clone()
+        .oneshot(req("/pay", Some("k"), "{}"))
+        .await
+        .unwrap();
+    let replay = app.oneshot(req("/pay", Some("k"), "{}")).await.unwrap();
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+}
+
+async fn with_context(ctx: IdempotencyContext) -> String {
+    format!("generation {}", ctx.generation())
+}
+
+async fn with_optional_context(ctx: Option<IdempotencyContext>) -> &'static str {
+    if ctx.is_some() {
+        "keyed"
+    } else {
+        "not keyed"
+    }
+}
+
+#[tokio::test]
+async fn the_context_is_an_extractor_whose_rejection_names_the_missing_layer() {
+    let layer = IdempotencyLayer::new(MemoryStore::new());
+    let app = Router::new()
+        .route("/keyed", post(with_context).layer(layer.clone()))
+        .route("/bare", post(with_context))
+        .route(
+            "/optional",
+            post(with_optional_context).layer(layer.with_key_required(false)),
+        );
+    let res = app
+        .clone()
+        .oneshot(req("/keyed", Some("k"), "{}"))
+        .await
+        .unwrap();
+    assert_eq!(body_bytes(res).await, "generation 1");
+    let res = app
+        .clone()
+        .oneshot(req("/bare", Some("k"), "{}"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 500);
+    let text = body_bytes(res).await;
+    assert!(
+        String::from_utf8_lossy(&text)
+            .contains("IdempotencyLayer does not run before this handler"),
+        "{text:?}"
+    );
+    let res = app
+        .clone()
+        .oneshot(req("/optional", None, "{}"))
+        .await
+        .unwrap();
+    assert_eq!(body_bytes(res).await, "not keyed");
+    let res = app
+        .oneshot(req("/optional", Some("k2"), "{}"))
+        .await
+        .unwrap();
+    assert_eq!(body_bytes(res).await, "keyed");
+}

@@ -961,18 +961,19 @@ async fn the_default_policy_records_success_and_business_errors_and_releases_the
 }
 
 #[tokio::test]
-async fn handler_decisions_and_no_store_override_the_policy() {
-    let app = App::default();
-    let s = svc(IdempotencyLayer::new(MemoryStore::new()), &app);
-    for (path, recorded) in [
-        ("/no-store", false),
-        ("/decide-release", false),
-        ("/decide-record", true),
+async fn handler_decisions_override_the_policy_and_no_store_releases_only_when_opted_in() {
+    for (opt_in, path, recorded) in [
+        (false, "/no-store", true),
+        (true, "/no-store", false),
+        (false, "/decide-release", false),
+        (false, "/decide-record", true),
     ] {
-        let before = app.calls();
+        let app = App::default();
+        let layer = IdempotencyLayer::new(MemoryStore::new()).with_release_on_no_store(opt_in);
+        let s = svc(layer, &app);
         call(&s, post(path, Some(path), "{}")).await;
         call(&s, post(path, Some(path), "{}")).await;
-        assert_eq!(app.calls() - before == 1, recorded, "{path}");
+        assert_eq!(app.calls() == 1, recorded, "{path}, opted in: {opt_in}");
     }
 }
 
@@ -1085,6 +1086,21 @@ async fn a_response_body_that_fails_is_released_and_the_error_reaches_the_client
     assert!(body.frame().await.unwrap().is_err());
     call(&s, post("/broken-body", Some("k"), "{}")).await;
     assert_eq!(app.calls(), 2, "released: the retry ran again");
+}
+
+#[tokio::test]
+async fn the_in_progress_retry_after_can_be_capped() {
+    let app = App::default();
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .with_in_progress_retry_after(Duration::from_millis(1500));
+    let s = svc(layer, &app);
+    let first = tokio::spawn(call(&s, post("/gated", Some("k"), "{}")));
+    app.started.notified().await;
+    let res = call(&s, post("/gated", Some("k"), "{}")).await;
+    assert_eq!(res.status(), 409);
+    assert_eq!(res.headers()["retry-after"], "2", "1.5 s, rounded up");
+    app.gate.notify_one();
+    first.await.unwrap();
 }
 
 // 10. Errors -------------------------------------------------------------------------------

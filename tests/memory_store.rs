@@ -1,6 +1,6 @@
 //! The conformance suite on `MemoryStore`.
 
-mod conformance;
+use tower_idempotency::{conformance, conformance_suite};
 
 use std::num::NonZeroUsize;
 use std::sync::Arc;

@@ -10,10 +10,9 @@ use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderMap, Request, Response, StatusCode};
+use http::{Request, Response, StatusCode};
 use http_body_util::Full;
 use pg_support::{admin, store_in, TestSchema};
 use support::{body_bytes, post};
@@ -21,9 +20,7 @@ use tokio::sync::{Barrier, Notify};
 use tower::{service_fn, Layer, ServiceExt};
 use tower_idempotency::store::postgres::PostgresStore;
 use tower_idempotency::store::IdempotencyStore;
-use tower_idempotency::{
-    Completion, IdempotencyContext, IdempotencyLayer, RecordDecision, RequestBody, StoredResponse,
-};
+use tower_idempotency::{IdempotencyContext, IdempotencyLayer, RecordDecision, RequestBody};
 
 const APP: &str = "tidem-layer";
 
@@ -128,24 +125,12 @@ async fn transactional_handler(
         .await
         .unwrap();
     let body = Bytes::from(format!(r#"{{"id":"{id}"}}"#));
-    let mut headers = HeaderMap::new();
-    headers.insert("content-type", "application/json".parse().unwrap());
-    let answer = Completion::Response(StoredResponse {
-        status: StatusCode::CREATED,
-        headers: headers.clone(),
-        body: body.clone(),
-        trailers: None,
-    });
-    store
-        .complete_in(
-            &tx,
-            &ctx.record_id(),
-            &ctx.token(),
-            &answer,
-            Duration::from_secs(3600),
-        )
-        .await
+    let answer = Response::builder()
+        .status(StatusCode::CREATED)
+        .header("content-type", "application/json")
+        .body(body.clone())
         .unwrap();
+    store.record_in(&tx, &ctx, &answer).await.unwrap();
     if attempt == 1 {
         tx.rollback().await.unwrap();
         let mut res = Response::new(Full::new(Bytes::from_static(b"try again")));
@@ -153,9 +138,7 @@ async fn transactional_handler(
         return Ok(res);
     }
     tx.commit().await.unwrap();
-    let mut res = Response::new(Full::new(body));
-    *res.status_mut() = StatusCode::CREATED;
-    *res.headers_mut() = headers;
+    let mut res = answer.map(Full::new);
     res.extensions_mut().insert(RecordDecision::AlreadyRecorded);
     Ok(res)
 }
@@ -220,4 +203,50 @@ async fn a_handler_records_its_answer_in_its_own_transaction_or_not_at_all() {
     assert_eq!(body_bytes(replay).await, r#"{"id":"pay_2"}"#);
     assert_eq!((attempts.load(Ordering::SeqCst), count().await), (2, 1));
     schema.drop_now().await;
+}
+
+/// Collects the text of every ERROR event, fields included.
+#[derive(Clone, Default)]
+struct Errors(Arc<std::sync::Mutex<String>>);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Errors {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        struct Text<'a>(&'a mut String);
+        impl tracing::field::Visit for Text<'_> {
+            fn record_debug(&mut self, f: &tracing::field::Field, v: &dyn std::fmt::Debug) {
+                self.0.push_str(&format!("{}={v:?} ", f.name()));
+            }
+        }
+        if *event.metadata().level() == tracing::Level::ERROR {
+            event.record(&mut Text(&mut self.0.lock().unwrap()));
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_forgotten_migration_is_503_and_the_log_names_the_missing_table() {
+    use tracing_subscriber::layer::SubscriberExt;
+    let Some(url) = pg_support::url() else { return };
+    let errors = Errors::default();
+    let _guard =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(errors.clone()));
+    let table = format!("tidem_never_migrated_{}", std::process::id());
+    let store = PostgresStore::new(pg_support::pool(&url, 2, APP))
+        .with_table(&table)
+        .unwrap();
+    let verify = store.verify().await.expect_err("the table does not exist");
+    assert!(verify.to_string().contains("migrate"), "{verify}");
+
+    let svc = IdempotencyLayer::new(store).layer(service_fn(
+        |_req: Request<RequestBody<Full<Bytes>>>| async {
+            Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"ran"))))
+        },
+    ));
+    let res = svc.oneshot(post("/pay", Some("k"), "{}")).await.unwrap();
+    assert_eq!(res.status(), 503);
+    let log = errors.0.lock().unwrap().clone();
+    assert!(
+        log.contains("does not exist"),
+        "the driver's cause reaches the log: {log}"
+    );
 }

@@ -9,7 +9,7 @@
 #![cfg(feature = "postgres")]
 
 mod common;
-mod conformance;
+use tower_idempotency::conformance;
 mod pg_support;
 
 use std::process::Command;

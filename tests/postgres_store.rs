@@ -6,7 +6,7 @@
 #![cfg(feature = "postgres")]
 
 mod common;
-mod conformance;
+use tower_idempotency::{conformance, conformance_suite};
 mod pg_support;
 
 use std::sync::Arc;
@@ -15,8 +15,8 @@ use std::time::Duration;
 use conformance::{fp, response, unique_id, DynStore};
 use pg_support::{admin, eventually, mode, pool, pool_from, store_in, unique, Proxy, TestSchema};
 use tokio::sync::{Barrier, Notify};
-use tower_idempotency::store::postgres::PostgresStore;
-use tower_idempotency::store::{ClaimOutcome, IdempotencyStore, StoreErrorKind};
+use tower_idempotency::store::postgres::{PostgresStore, SetupError};
+use tower_idempotency::store::{ClaimOutcome, IdempotencyStore, StoreError, StoreErrorKind};
 use tower_idempotency::{RecordState, Token};
 
 const LEASE: Duration = Duration::from_secs(30);
@@ -35,9 +35,114 @@ async fn conformance_store() -> Option<DynStore> {
     Some(Arc::new(store) as DynStore)
 }
 
-// No `full:` store: Postgres has no record limit of its own here (see the module docs).
+/// A store that fills up at 40 records. Postgres has no record limit of its own; it is full
+/// when its disk is (SQLSTATE `53100`, which the store answers as `Full`). Filling a real disk
+/// is out of reach of a test on a shared server, so a trigger raises that same SQLSTATE for
+/// an insert of a new id beyond 40 rows, as the server does when it cannot write a new tuple.
+/// A claim of an existing id inserts nothing, so replays still work, as on a full disk.
+async fn full_store() -> Option<DynStore> {
+    let url = pg_support::url()?;
+    let schema = TestSchema::create(&url, "full").await;
+    let store = store_in(&url, &schema, 4, "tidem-full").await;
+    let table = schema.table();
+    admin(&url)
+        .await
+        .batch_execute(&format!(
+            "CREATE FUNCTION {s}.refuse_when_full() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 IF NOT EXISTS (SELECT FROM {table} WHERE id = NEW.id)
+                    AND (SELECT count(*) FROM {table}) >= 40 THEN
+                     RAISE EXCEPTION 'could not extend file: No space left on device'
+                         USING ERRCODE = 'disk_full';
+                 END IF;
+                 RETURN NEW;
+             END $$;
+             CREATE TRIGGER refuse_when_full BEFORE INSERT ON {table}
+                 FOR EACH ROW EXECUTE FUNCTION {s}.refuse_when_full();",
+            s = schema.name
+        ))
+        .await
+        .unwrap();
+    Some(Arc::new(WithSchema {
+        store,
+        schema: Some(schema),
+    }) as DynStore)
+}
+
+/// A store that drops its schema when dropped.
+struct WithSchema {
+    store: PostgresStore,
+    schema: Option<TestSchema>,
+}
+
+impl Drop for WithSchema {
+    fn drop(&mut self) {
+        let Some(schema) = self.schema.take() else {
+            return;
+        };
+        // Drop runs inside the test's runtime: drop the schema from a thread of its own.
+        std::thread::spawn(move || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap()
+                .block_on(schema.drop_now());
+        })
+        .join()
+        .unwrap();
+    }
+}
+
+#[async_trait::async_trait]
+impl IdempotencyStore for WithSchema {
+    async fn claim(
+        &self,
+        id: &tower_idempotency::RecordId,
+        fingerprint: &tower_idempotency::Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<ClaimOutcome, StoreError> {
+        self.store.claim(id, fingerprint, lease, ttl).await
+    }
+
+    async fn extend(
+        &self,
+        id: &tower_idempotency::RecordId,
+        token: &Token,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
+        self.store.extend(id, token, lease).await
+    }
+
+    async fn complete(
+        &self,
+        id: &tower_idempotency::RecordId,
+        token: &Token,
+        completion: &tower_idempotency::Completion,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        self.store.complete(id, token, completion, ttl).await
+    }
+
+    async fn release(
+        &self,
+        id: &tower_idempotency::RecordId,
+        token: &Token,
+    ) -> Result<(), StoreError> {
+        self.store.release(id, token).await
+    }
+
+    async fn get(
+        &self,
+        id: &tower_idempotency::RecordId,
+    ) -> Result<Option<tower_idempotency::Record>, StoreError> {
+        self.store.get(id).await
+    }
+}
+
 conformance_suite! {
     store: conformance_store(),
+    full: full_store(),
 }
 
 fn claimed(outcome: ClaimOutcome) -> Token {
@@ -564,14 +669,14 @@ async fn lost_claim_reply_is_read_back_as_claimed() {
         direct.get(&id).await.unwrap().unwrap().state,
         RecordState::Completed(response(201, "once"))
     );
-    // A complete that really is a second one stays fenced.
+    // A second complete with the same token is a resend: Ok, and the first answer stands.
+    store
+        .complete(&id, &token, &response(500, "twice"), TTL)
+        .await
+        .expect("idempotent per token");
     assert_eq!(
-        store
-            .complete(&id, &token, &response(500, "twice"), TTL)
-            .await
-            .unwrap_err()
-            .kind(),
-        StoreErrorKind::Fenced
+        direct.get(&id).await.unwrap().unwrap().state,
+        RecordState::Completed(response(201, "once"))
     );
 
     // And for a release.
@@ -662,8 +767,6 @@ async fn unreachable_database_is_unavailable() {
             .await
             .unwrap_err(),
         store.get(&unique_id("dead")).await.unwrap_err(),
-        store.migrate().await.unwrap_err(),
-        PostgresStore::connect(&url).await.unwrap_err(),
     ] {
         assert_eq!(err.kind(), StoreErrorKind::Unavailable, "{err:?}");
         assert!(
@@ -671,10 +774,85 @@ async fn unreachable_database_is_unavailable() {
             "the driver error is kept"
         );
     }
+    // Setup errors say what went wrong in their text.
+    for err in [
+        PostgresStore::connect(&url).await.unwrap_err(),
+        store.migrate().await.unwrap_err(),
+        store.verify().await.unwrap_err(),
+    ] {
+        assert!(matches!(err, SetupError::Connect(_)), "{err:?}");
+        let text = err.to_string();
+        assert!(
+            text.starts_with("could not connect to Postgres") && text.contains("refused"),
+            "{text}"
+        );
+    }
     let err = PostgresStore::connect("postgres://[nope")
         .await
         .unwrap_err();
-    assert_eq!(err.kind(), StoreErrorKind::Other, "{err:?}");
+    assert!(matches!(err, SetupError::Url(_)), "{err:?}");
+    assert!(
+        err.to_string().starts_with("invalid Postgres URL: "),
+        "{err}"
+    );
+}
+
+/// `verify` names a missing table and what to do, and passes once `migrate` ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_names_a_missing_table() {
+    let Some(url) = pg_support::url() else { return };
+    let schema = TestSchema::create(&url, "verify").await;
+    let store = PostgresStore::new(pool(&url, 1, "tidem-verify"))
+        .with_table(&schema.table())
+        .unwrap();
+    let err = store.verify().await.unwrap_err();
+    assert!(matches!(err, SetupError::MissingTable { .. }), "{err:?}");
+    // migrate into a schema that does not exist says so.
+    let migrate_err = PostgresStore::new(pool(&url, 1, "tidem-verify"))
+        .with_table(&format!("{}_absent.records", schema.name))
+        .unwrap()
+        .migrate()
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(migrate_err, SetupError::Migrate { .. }),
+        "{migrate_err:?}"
+    );
+    assert!(
+        migrate_err.to_string().contains("does not exist"),
+        "{migrate_err}"
+    );
+    let text = err.to_string();
+    assert!(
+        text.contains(&schema.table()) && text.contains("migrate()"),
+        "{text}"
+    );
+    // A schema that does not exist is a missing table too.
+    let elsewhere = PostgresStore::new(pool(&url, 1, "tidem-verify"))
+        .with_table(&format!("{}_absent.records", schema.name))
+        .unwrap();
+    assert!(matches!(
+        elsewhere.verify().await.unwrap_err(),
+        SetupError::MissingTable { .. }
+    ));
+    // A table of that name without the store's columns.
+    admin(&url)
+        .await
+        .batch_execute(&format!("CREATE TABLE {} (id bytea)", schema.table()))
+        .await
+        .unwrap();
+    let err = store.verify().await.unwrap_err();
+    assert!(matches!(err, SetupError::Table { .. }), "{err:?}");
+    assert!(err.to_string().contains("does not exist"), "{err}");
+    admin(&url)
+        .await
+        .batch_execute(&format!("DROP TABLE {}", schema.table()))
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+    store.verify().await.unwrap();
+    drop((store, elsewhere));
+    schema.drop_now().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -932,29 +1110,292 @@ async fn complete_in_a_committed_transaction_replays_with_the_business_write() {
         .unwrap()
         .get(0);
     assert_eq!(n, 1);
-    // The layer must not complete or release after the handler did: both are fenced.
-    assert_eq!(
-        store
-            .complete(&id, &token, &response(500, "again"), TTL)
-            .await
-            .unwrap_err()
-            .kind(),
-        StoreErrorKind::Fenced
-    );
+    // A complete after the handler's is a resend: Ok, and changes nothing. A release is
+    // fenced: the record is completed.
+    store
+        .complete(&id, &token, &response(500, "again"), TTL)
+        .await
+        .expect("idempotent per token");
     assert_eq!(
         store.release(&id, &token).await.unwrap_err().kind(),
         StoreErrorKind::Fenced
+    );
+    assert_eq!(
+        store.get(&id).await.unwrap().unwrap().state,
+        RecordState::Completed(response(201, "ordered"))
     );
     // A forged token is fenced inside a transaction too.
     let other = unique_id("tx-forged");
     claimed(store.claim(&other, &fp(1), LEASE, TTL).await.unwrap());
     let conn = store.pool().get().await.unwrap();
     let err = store
-        .complete_in(&conn, &other, &Token::new(1), &response(200, "x"), TTL)
+        .complete_in(
+            &conn,
+            &other,
+            &Token::generate(1).unwrap(),
+            &response(200, "x"),
+            TTL,
+        )
         .await
         .unwrap_err();
     assert_eq!(err.kind(), StoreErrorKind::Fenced);
     drop(conn);
+    drop(store);
+    schema.drop_now().await;
+}
+
+/// Holds the row of `id` locked (`SELECT … FOR UPDATE` in an open transaction) until dropped
+/// or `release`d.
+struct RowLock(tokio_postgres_client::Client);
+
+use tower_idempotency::store::postgres::tokio_postgres as tokio_postgres_client;
+
+impl RowLock {
+    async fn take(url: &str, table: &str, id: &tower_idempotency::RecordId) -> Self {
+        let client = admin(url).await;
+        client
+            .batch_execute(&format!(
+                "BEGIN; SELECT FROM {table} WHERE id = decode('{}', 'hex') FOR UPDATE",
+                id.to_hex()
+            ))
+            .await
+            .unwrap();
+        Self(client)
+    }
+
+    async fn release(self) {
+        self.0.batch_execute("COMMIT").await.unwrap();
+    }
+}
+
+/// Statements of `app` still running on the server (waiting on a lock included).
+async fn running(url: &str, app: &str) -> i64 {
+    admin(url)
+        .await
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 \
+             AND state = 'active'",
+            &[&app],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+async fn locked_until(url: &str, table: &str, id: &tower_idempotency::RecordId) -> String {
+    admin(url)
+        .await
+        .query_one(
+            &format!("SELECT locked_until::text FROM {table} WHERE id = $1"),
+            &[&id.as_bytes().as_slice()],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// A store from `connect` sets `lock_timeout` below its deadline: a statement blocked on a
+/// row lock is ended by the server (55P03), a known failure with nothing written, within the
+/// one deadline of the operation, and leaves no statement running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blocked_statement_is_ended_by_the_server_within_the_deadline() {
+    let Some(url) = pg_support::url() else { return };
+    let schema = TestSchema::create(&url, "locktimeout").await;
+    let app = unique("lockapp");
+    let timeout = Duration::from_millis(300);
+    let store = PostgresStore::connect(&format!("{url}?application_name={app}"))
+        .await
+        .unwrap()
+        .with_table(&schema.table())
+        .unwrap()
+        .with_timeout(timeout);
+    store.migrate().await.unwrap();
+    let id = unique_id("locked");
+    let token = claimed(store.claim(&id, &fp(1), LEASE, TTL).await.unwrap());
+    let before = locked_until(&url, &schema.table(), &id).await;
+
+    let lock = RowLock::take(&url, &schema.table(), &id).await;
+    let started = std::time::Instant::now();
+    let err = store.extend(&id, &token, LEASE).await.unwrap_err();
+    let took = started.elapsed();
+    assert_eq!(err.kind(), StoreErrorKind::Unavailable, "{err:?}");
+    let code = std::error::Error::source(&err)
+        .and_then(|e| e.downcast_ref::<pg_support::PgError>())
+        .and_then(|e| e.code().cloned());
+    assert_eq!(
+        code,
+        Some(tokio_postgres_client::error::SqlState::LOCK_NOT_AVAILABLE),
+        "{err:?}"
+    );
+    // One deadline for the whole operation (it used to be one per attempt: 3 × 300 ms).
+    assert!(
+        took < timeout * 2,
+        "extend took {took:?} with a {timeout:?} timeout"
+    );
+    // The backend reports itself idle just after it answered: wait for that, not longer.
+    assert!(
+        eventually(2, || async { running(&url, &app).await == 0 }).await,
+        "a statement was left running"
+    );
+    lock.release().await;
+    assert_eq!(locked_until(&url, &schema.table(), &id).await, before);
+    store.extend(&id, &token, LEASE).await.unwrap();
+    drop(store);
+    schema.drop_now().await;
+}
+
+/// On a pool without server-side timeouts, a statement the store gives up on is cancelled on
+/// the server: no backend keeps waiting, and it never applies after the lock is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timed_out_statement_is_cancelled_on_the_server() {
+    let Some(url) = pg_support::url() else { return };
+    let schema = TestSchema::create(&url, "cancel").await;
+    let app = unique("cancelapp");
+    let store = store_in(&url, &schema, 2, &app)
+        .await
+        .with_timeout(Duration::from_millis(300));
+    let id = unique_id("cancel");
+    let token = claimed(store.claim(&id, &fp(1), LEASE, TTL).await.unwrap());
+    let before = locked_until(&url, &schema.table(), &id).await;
+
+    let lock = RowLock::take(&url, &schema.table(), &id).await;
+    let err = store.extend(&id, &token, LEASE).await.unwrap_err();
+    // The first attempt timed out, and so did the read-back: the outcome is unknown.
+    assert_eq!(err.kind(), StoreErrorKind::Unknown, "{err:?}");
+    assert!(
+        eventually(5, || async { running(&url, &app).await == 0 }).await,
+        "the timed-out statements still run on the server"
+    );
+    lock.release().await;
+    // Nothing was left to apply once the lock was gone.
+    assert_eq!(locked_until(&url, &schema.table(), &id).await, before);
+    drop(store);
+    schema.drop_now().await;
+}
+
+/// A `complete` whose statement snapshot predates the commit it waited for (the same
+/// token's other attempt, committing late) answers `Ok` after a fresh read, not `Fenced`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_complete_that_lost_to_its_own_late_commit_is_ok() {
+    let Some(url) = pg_support::url() else { return };
+    let schema = TestSchema::create(&url, "latecommit").await;
+    let app = unique("lateapp");
+    let store = store_in(&url, &schema, 4, &app).await;
+    let id = unique_id("late");
+    let token = claimed(store.claim(&id, &fp(1), LEASE, TTL).await.unwrap());
+
+    let lock = RowLock::take(&url, &schema.table(), &id).await;
+    let first = {
+        let store = store.clone();
+        tokio::spawn(async move {
+            store
+                .complete(&id, &token, &response(201, "first"), TTL)
+                .await
+        })
+    };
+    assert!(eventually(5, || async { running(&url, &app).await == 1 }).await);
+    let second = {
+        let store = store.clone();
+        tokio::spawn(async move {
+            store
+                .complete(&id, &token, &response(201, "first"), TTL)
+                .await
+        })
+    };
+    // Both wait on the lock, the second behind the first.
+    assert!(eventually(5, || async { running(&url, &app).await == 2 }).await);
+    lock.release().await;
+    first.await.unwrap().expect("the first attempt applies");
+    second
+        .await
+        .unwrap()
+        .expect("the resend finds its own answer: Ok, not Fenced");
+    assert_eq!(
+        store.get(&id).await.unwrap().unwrap().state,
+        RecordState::Completed(response(201, "first"))
+    );
+    drop(store);
+    schema.drop_now().await;
+}
+
+/// Under REPEATABLE READ and SERIALIZABLE a renewal during the transaction makes
+/// `complete_in` fail (40001); `lock_in` as the first statement makes it work, with the
+/// renewal waiting for the commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn complete_in_under_repeatable_read_or_serializable_works_after_lock_in() {
+    use tokio_postgres_client::IsolationLevel;
+    let Some(url) = pg_support::url() else { return };
+    let schema = TestSchema::create(&url, "txiso").await;
+    let app = unique("txisoapp");
+    let store = store_in(&url, &schema, 3, &app).await;
+    let orders = orders_table(&url, &schema).await;
+    let insert = format!("INSERT INTO {orders} VALUES ('sku-1')");
+    for level in [IsolationLevel::RepeatableRead, IsolationLevel::Serializable] {
+        let id = unique_id("tx-iso");
+        let token = claimed(store.claim(&id, &fp(1), LEASE, TTL).await.unwrap());
+
+        // Without lock_in: the renewal lands after the snapshot, and complete_in fails.
+        let mut conn = store.pool().get().await.unwrap();
+        let tx = conn
+            .build_transaction()
+            .isolation_level(level)
+            .start()
+            .await
+            .unwrap();
+        tx.execute(&insert, &[]).await.unwrap();
+        store.extend(&id, &token, LEASE).await.unwrap();
+        let err = store
+            .complete_in(&tx, &id, &token, &response(201, "ordered"), TTL)
+            .await
+            .unwrap_err();
+        let code = std::error::Error::source(&err)
+            .and_then(|e| e.downcast_ref::<pg_support::PgError>())
+            .and_then(|e| e.code().cloned());
+        assert_eq!(
+            code,
+            Some(tokio_postgres_client::error::SqlState::T_R_SERIALIZATION_FAILURE),
+            "{level:?}: {err:?}"
+        );
+        tx.rollback().await.unwrap();
+
+        // With lock_in first: the renewal waits, complete_in commits.
+        let tx = conn
+            .build_transaction()
+            .isolation_level(level)
+            .start()
+            .await
+            .unwrap();
+        store.lock_in(&tx, &id, &token).await.unwrap();
+        let renewal = {
+            let store = store.clone();
+            tokio::spawn(async move { store.extend(&id, &token, LEASE).await })
+        };
+        assert!(
+            eventually(5, || async { running(&url, &app).await == 1 }).await,
+            "the renewal waits on the row lock"
+        );
+        tx.execute(&insert, &[]).await.unwrap();
+        store
+            .complete_in(&tx, &id, &token, &response(201, "ordered"), TTL)
+            .await
+            .unwrap_or_else(|e| panic!("{level:?}: {e:?}"));
+        tx.commit().await.unwrap();
+        // The renewal then finds the record completed.
+        assert!(renewal.await.unwrap().unwrap_err().is_fenced());
+        assert_eq!(
+            store.get(&id).await.unwrap().unwrap().state,
+            RecordState::Completed(response(201, "ordered"))
+        );
+        // A stale token cannot take the lock.
+        let tx = conn.transaction().await.unwrap();
+        let forged = Token::generate(token.generation()).unwrap();
+        assert!(store
+            .lock_in(&tx, &id, &forged)
+            .await
+            .unwrap_err()
+            .is_fenced());
+        tx.rollback().await.unwrap();
+    }
     drop(store);
     schema.drop_now().await;
 }

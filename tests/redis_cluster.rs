@@ -6,7 +6,7 @@
 #![cfg(feature = "redis")]
 
 mod common;
-mod conformance;
+use tower_idempotency::{conformance, conformance_suite};
 mod redis_harness;
 
 use std::sync::{Arc, OnceLock};
@@ -137,4 +137,51 @@ async fn eviction_guard_checks_every_cluster_node() {
     RedisStore::connect_cluster(cluster.urls())
         .await
         .expect("all nodes noeviction");
+}
+
+/// With `WAIT`, each write and its `WAIT` go to the record's primary on a connection of their
+/// own. This cluster has no replicas, so every write is confirmed by none: claims on every
+/// primary fail and are given back, and a complete lands but reports the shortfall.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_goes_to_the_records_primary_on_its_own_connection() {
+    use std::num::NonZeroU32;
+    use tower_idempotency::store::redis::ReplicationShortfall;
+    let Some(plain) = cluster_store().await else {
+        return;
+    };
+    let cluster = cluster().unwrap();
+    let waiting = RedisStore::builder()
+        .with_wait(NonZeroU32::new(1).unwrap(), Duration::from_millis(50))
+        .connect_cluster(cluster.urls())
+        .await
+        .unwrap();
+    let none = Some(&ReplicationShortfall {
+        acknowledged: 0,
+        wanted: 1,
+    });
+    let lease = Duration::from_secs(30);
+    // Ids spread over the primaries.
+    for i in 0..12 {
+        let id = unique_id(&format!("cluster-wait-{i}"));
+        let err = waiting.claim(&id, &fp(1), lease, lease).await.unwrap_err();
+        let source =
+            std::error::Error::source(&err).and_then(|s| s.downcast_ref::<ReplicationShortfall>());
+        assert_eq!(source, none, "{err:?}");
+        assert!(plain.get(&id).await.unwrap().is_none(), "given back");
+
+        let ClaimOutcome::Claimed(c) = plain.claim(&id, &fp(1), lease, lease).await.unwrap() else {
+            panic!("a released key is claimable")
+        };
+        let err = waiting
+            .complete(&id, &c.token, &response(200, "x"), lease)
+            .await
+            .unwrap_err();
+        let source =
+            std::error::Error::source(&err).and_then(|s| s.downcast_ref::<ReplicationShortfall>());
+        assert_eq!(source, none, "{err:?}");
+        assert_eq!(
+            plain.get(&id).await.unwrap().unwrap().state,
+            RecordState::Completed(response(200, "x"))
+        );
+    }
 }

@@ -4,7 +4,7 @@
 #![cfg(feature = "redis")]
 
 mod common;
-mod conformance;
+use tower_idempotency::{conformance, conformance_suite};
 mod redis_harness;
 
 use std::num::NonZeroU32;
@@ -659,5 +659,116 @@ async fn wait_confirms_replicas_and_a_shortfall_fails_and_releases() {
     assert!(
         two.get(&short).await.unwrap().is_none(),
         "an unreplicated claim is released"
+    );
+}
+
+/// `WAIT` runs on a connection of its own: while one claim waits for a replica that is not
+/// there, a replay and a read through the same store answer at once.
+#[tokio::test]
+async fn wait_never_holds_up_other_calls() {
+    // No replica: `WAIT 1` blocks for its whole timeout.
+    let Some(server) = RedisServer::start(&[]) else {
+        return;
+    };
+    let plain = RedisStore::connect(&server.url()).await.unwrap();
+    let waiting = Arc::new(
+        RedisStore::builder()
+            .with_wait(NonZeroU32::new(1).unwrap(), Duration::from_secs(5))
+            .connect(&server.url())
+            .await
+            .unwrap(),
+    );
+    let done = unique_id("replayed");
+    let token = claim_token(&plain, &done).await;
+    plain
+        .complete(&done, &token, &response(201, "kept"), TTL)
+        .await
+        .unwrap();
+
+    let id = unique_id("waits");
+    let pending = {
+        let store = waiting.clone();
+        tokio::spawn(async move { store.claim(&id, &fp(1), LEASE, TTL).await })
+    };
+    // Gate: the server shows a client blocked in WAIT.
+    let mut con = admin(&server).await;
+    let deadline = Instant::now() + Duration::from_secs(4);
+    loop {
+        let clients: String = redis::cmd("CLIENT")
+            .arg("LIST")
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        if clients
+            .lines()
+            .any(|l| l.contains("cmd=wait") && l.contains("flags=b"))
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no client ever blocked in WAIT");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
+    match waiting.claim(&done, &fp(1), LEASE, TTL).await.unwrap() {
+        ClaimOutcome::Existing(r) => {
+            assert_eq!(r.state, RecordState::Completed(response(201, "kept")))
+        }
+        other @ ClaimOutcome::Claimed(_) => panic!("expected a replay, got {other:?}"),
+    }
+    assert!(waiting.get(&done).await.unwrap().is_some());
+    assert!(
+        !pending.is_finished(),
+        "the replay answered only once the WAIT had ended"
+    );
+
+    // The waiting claim then fails for want of a replica, and is given back.
+    let err = pending.await.unwrap().unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::Unavailable, "{err:?}");
+    let source =
+        std::error::Error::source(&err).and_then(|s| s.downcast_ref::<ReplicationShortfall>());
+    assert_eq!(
+        source,
+        Some(&ReplicationShortfall {
+            acknowledged: 0,
+            wanted: 1
+        })
+    );
+    assert!(waiting.get(&id).await.unwrap().is_none());
+}
+
+/// Setup errors name the cause in their text, and nothing listening fails within the timeout.
+#[tokio::test]
+async fn setup_errors_say_why_and_come_within_the_timeout() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    drop(listener);
+    let timeout = Duration::from_millis(500);
+    let started = Instant::now();
+    let err = RedisStore::builder()
+        .with_timeout(timeout)
+        .connect(&format!("redis://127.0.0.1:{port}/"))
+        .await
+        .unwrap_err();
+    let took = started.elapsed();
+    let text = err.to_string();
+    assert!(matches!(err, SetupError::Redis(_)), "{err:?}");
+    assert!(text.contains("refused"), "{text}");
+    assert!(took < timeout * 2, "connect failed after {took:?}");
+
+    let started = Instant::now();
+    let err = RedisStore::builder()
+        .with_timeout(timeout)
+        .connect_cluster([format!("redis://127.0.0.1:{port}/")])
+        .await
+        .unwrap_err();
+    let took = started.elapsed();
+    assert!(err.to_string().contains("refused"), "{err}");
+    assert!(took < timeout * 2, "connect_cluster failed after {took:?}");
+
+    let err = RedisStore::connect("rediss-nope://x").await.unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.starts_with("could not set up the Redis idempotency store: ") && text.len() > 50,
+        "{text}"
     );
 }

@@ -10,6 +10,27 @@ use tower_idempotency::Retention;
 
 pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
+/// Ends an example: status 0, or one line naming the error and each of its causes on stderr
+/// and status 1 (a Debug dump says nothing a user can act on).
+pub(crate) fn exit_status(name: &str, result: Result<(), BoxError>) -> std::process::ExitCode {
+    let Err(e) = result else {
+        return std::process::ExitCode::SUCCESS;
+    };
+    let mut line = format!("{name}: {e}");
+    let mut source = e.source();
+    while let Some(cause) = source {
+        // Setup errors often repeat their cause in their own text.
+        let text = cause.to_string();
+        if !line.contains(&text) {
+            line.push_str(": ");
+            line.push_str(&text);
+        }
+        source = cause.source();
+    }
+    eprintln!("{line}");
+    std::process::ExitCode::FAILURE
+}
+
 /// Logs to stderr; `RUST_LOG` overrides the default `info`.
 pub(crate) fn init_tracing() {
     tracing_subscriber::fmt()

@@ -285,6 +285,7 @@ pub(crate) fn idempotency(
     IdempotencyLayer::from_arc(store)
         .with_retention(config.retention)
         .with_grpc_passthrough(COUNT_CHARGES)
+        .expect("a gRPC method path")
         // One key space per API key (metadata), as in the HTTP shop; callers without one
         // share the anonymous scope.
         .with_scope(|req| {

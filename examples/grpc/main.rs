@@ -20,8 +20,12 @@ mod app;
 mod common;
 
 #[tokio::main]
-async fn main() -> Result<(), common::BoxError> {
+async fn main() -> std::process::ExitCode {
     common::init_tracing();
+    common::exit_status("grpc", run().await)
+}
+
+async fn run() -> Result<(), common::BoxError> {
     let (card_latency, retention) = common::settings_from_env()?;
     let config = app::ShopConfig {
         card_latency,

@@ -7,8 +7,20 @@ use std::collections::HashMap;
 use std::fmt;
 use std::hash::BuildHasher;
 use std::num::NonZeroUsize;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
+
+// Under `--cfg shuttle` the locks and atomics are shuttle's, so the model checker in
+// tests/model explores their interleavings.
+#[cfg(shuttle)]
+use shuttle::sync::{
+    atomic::{AtomicU64, AtomicUsize, Ordering},
+    Mutex, MutexGuard,
+};
+#[cfg(not(shuttle))]
+use std::sync::{
+    atomic::{AtomicU64, AtomicUsize, Ordering},
+    Mutex, MutexGuard,
+};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -20,6 +32,15 @@ use crate::record::{Completion, Fingerprint, Record, RecordId, RecordState, Toke
 
 /// Fixed cost charged per record against `max_bytes`: the map slot, ids, fingerprint, token.
 const ENTRY_OVERHEAD: usize = 160;
+
+/// The longest lease or TTL the store keeps: 100 years stands for "forever". Longer ones
+/// (`Duration::MAX`) are cut to it, so an `Instant` sum can never overflow and panic.
+const MAX_SPAN: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// `now + d`, with `d` capped at [`MAX_SPAN`]: never panics.
+fn after(now: Instant, d: Duration) -> Instant {
+    now.checked_add(d.min(MAX_SPAN)).unwrap_or(now)
+}
 
 /// An in-memory [`IdempotencyStore`]. Cloning shares the records.
 ///
@@ -53,6 +74,14 @@ struct Inner {
     max_records: usize,
     max_bytes: usize,
     sweep_interval: Duration,
+    /// The time `min_expiry` counts from.
+    epoch: Instant,
+    /// A lower bound of every record's `expires_at`, in nanoseconds since `epoch`: until
+    /// then no record has expired, so a full store has nothing to sweep. Exact after a full
+    /// sweep, lowered by every write.
+    min_expiry: AtomicU64,
+    /// One full sweep at a time; the others wait for it and use what it freed.
+    full_sweep: Mutex<()>,
 }
 
 struct Shard {
@@ -127,6 +156,9 @@ impl MemoryStoreBuilder {
                 max_records: self.max_records,
                 max_bytes: self.max_bytes,
                 sweep_interval: self.sweep_interval,
+                epoch: now,
+                min_expiry: AtomicU64::new(u64::MAX),
+                full_sweep: Mutex::new(()),
             }),
         }
     }
@@ -177,18 +209,19 @@ impl MemoryStore {
 
     /// Removes every expired record now, and returns how many went.
     pub fn purge_expired(&self) -> usize {
-        let now = Instant::now();
-        (0..self.inner.shards.len())
-            .map(|i| {
-                let mut shard = lock(&self.inner.shards[i]);
-                self.inner.sweep(&mut shard, now)
-            })
-            .sum()
+        let _one = self
+            .inner
+            .full_sweep
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        self.inner.sweep_all(Instant::now())
     }
 
     fn shard(&self, id: &RecordId) -> MutexGuard<'_, Shard> {
         let i = (self.inner.hasher.hash_one(id) as usize) % self.inner.shards.len();
-        let mut shard = lock(&self.inner.shards[i]);
+        let mut shard = self.inner.shards[i]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         let now = Instant::now();
         if now.duration_since(shard.last_sweep) >= self.inner.sweep_interval {
             self.inner.sweep(&mut shard, now);
@@ -197,11 +230,8 @@ impl MemoryStore {
     }
 }
 
-/// A poisoned shard only means a panic elsewhere while holding it; every mutation below
-/// keeps the entry consistent before it can panic, so the data is still sound.
-fn lock(m: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
+// A poisoned lock only means a panic elsewhere while holding it; every mutation below
+// keeps the entry consistent before it can panic, so the data is still sound.
 
 impl Inner {
     fn sweep(&self, shard: &mut Shard, now: Instant) -> usize {
@@ -219,6 +249,35 @@ impl Inner {
         self.records.fetch_sub(removed, Ordering::Relaxed);
         self.bytes.fetch_sub(freed, Ordering::Relaxed);
         removed
+    }
+
+    /// Sweeps every shard, one at a time, and makes `min_expiry` exact again. The caller
+    /// holds `full_sweep`.
+    fn sweep_all(&self, now: Instant) -> usize {
+        // Reset first: writes during the sweep lower it again, and are kept.
+        self.min_expiry.store(u64::MAX, Ordering::Release);
+        let mut removed = 0;
+        for shard in self.shards.iter() {
+            let mut shard = shard.lock().unwrap_or_else(|e| e.into_inner());
+            removed += self.sweep(&mut shard, now);
+            if let Some(min) = shard.map.values().map(|e| e.expires_at).min() {
+                self.note_expiry(min);
+            }
+        }
+        removed
+    }
+
+    /// Lowers `min_expiry` to `at` if it is earlier.
+    fn note_expiry(&self, at: Instant) {
+        let nanos = at.saturating_duration_since(self.epoch).as_nanos();
+        let nanos = u64::try_from(nanos).unwrap_or(u64::MAX);
+        self.min_expiry.fetch_min(nanos, Ordering::AcqRel);
+    }
+
+    /// Whether some record may have expired by `now` (and a full sweep could free room).
+    fn may_have_expired(&self, now: Instant) -> bool {
+        let nanos = now.saturating_duration_since(self.epoch).as_nanos();
+        u64::try_from(nanos).unwrap_or(u64::MAX) >= self.min_expiry.load(Ordering::Acquire)
     }
 
     fn remove(&self, shard: &mut Shard, id: &RecordId) {
@@ -272,6 +331,82 @@ fn completion_size(c: &Completion) -> usize {
     }
 }
 
+impl MemoryStore {
+    /// One claim under the shard lock. `None`: the store was full, a full sweep has run since,
+    /// and the claim should run again (only when `may_sweep`).
+    fn try_claim(
+        &self,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+        may_sweep: bool,
+    ) -> Result<Option<ClaimOutcome>, StoreError> {
+        let mut shard = self.shard(id);
+        let now = Instant::now();
+        if let Some(e) = shard.map.get_mut(id) {
+            if e.expires_at > now {
+                let lapsed = e.completion.is_none() && e.lease_until <= now;
+                if lapsed && e.fingerprint == *fingerprint {
+                    let token = Token::generate(e.token.generation() + 1)?;
+                    let lease_until = after(now, lease);
+                    e.token = token;
+                    e.lease_until = lease_until;
+                    e.expires_at = e.expires_at.max(lease_until);
+                    return Ok(Some(ClaimOutcome::Claimed(Claim {
+                        token,
+                        takeover: true,
+                    })));
+                }
+                return Ok(Some(ClaimOutcome::Existing(e.record(now))));
+            }
+            self.inner.remove(&mut shard, id);
+        }
+        // Everything that can fail or panic comes before the slot is taken.
+        let token = Token::generate(1)?;
+        let entry = Entry {
+            fingerprint: *fingerprint,
+            token,
+            lease_until: after(now, lease),
+            expires_at: after(now, ttl.max(lease)),
+            completion: None,
+            size: ENTRY_OVERHEAD,
+        };
+        if self.inner.admit().is_err() {
+            // Expired records that no sweep has removed yet must not make the store full:
+            // this shard first (it is locked already), then every shard, when a record may
+            // have expired since the last full sweep.
+            self.inner.sweep(&mut shard, now);
+            if self.inner.admit().is_err() {
+                if !may_sweep {
+                    return Err(StoreError::new(StoreErrorKind::Full));
+                }
+                // Never hold a shard while sweeping the others: two sweepers would deadlock.
+                drop(shard);
+                {
+                    let _one = self
+                        .inner
+                        .full_sweep
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner());
+                    let now = Instant::now();
+                    if self.inner.may_have_expired(now) {
+                        self.inner.sweep_all(now);
+                    }
+                }
+                // The key may have changed while unlocked: claim from the start.
+                return Ok(None);
+            }
+        }
+        self.inner.note_expiry(entry.expires_at);
+        shard.map.insert(*id, entry);
+        Ok(Some(ClaimOutcome::Claimed(Claim {
+            token,
+            takeover: false,
+        })))
+    }
+}
+
 #[async_trait]
 impl IdempotencyStore for MemoryStore {
     async fn claim(
@@ -281,42 +416,13 @@ impl IdempotencyStore for MemoryStore {
         lease: Duration,
         ttl: Duration,
     ) -> Result<ClaimOutcome, StoreError> {
-        let mut shard = self.shard(id);
-        let now = Instant::now();
-        if let Some(e) = shard.map.get_mut(id) {
-            if e.expires_at > now {
-                let lapsed = e.completion.is_none() && e.lease_until <= now;
-                if lapsed && e.fingerprint == *fingerprint {
-                    let token = Token::new(e.token.generation() + 1);
-                    e.token = token;
-                    e.lease_until = now + lease;
-                    e.expires_at = e.expires_at.max(now + lease);
-                    return Ok(ClaimOutcome::Claimed(Claim {
-                        token,
-                        takeover: true,
-                    }));
-                }
-                return Ok(ClaimOutcome::Existing(e.record(now)));
-            }
-            self.inner.remove(&mut shard, id);
+        // At most twice: the second time after a full sweep made room.
+        match self.try_claim(id, fingerprint, lease, ttl, true)? {
+            Some(outcome) => Ok(outcome),
+            None => self
+                .try_claim(id, fingerprint, lease, ttl, false)?
+                .ok_or_else(|| StoreError::new(StoreErrorKind::Full)),
         }
-        self.inner.admit()?;
-        let token = Token::new(1);
-        shard.map.insert(
-            *id,
-            Entry {
-                fingerprint: *fingerprint,
-                token,
-                lease_until: now + lease,
-                expires_at: now + ttl.max(lease),
-                completion: None,
-                size: ENTRY_OVERHEAD,
-            },
-        );
-        Ok(ClaimOutcome::Claimed(Claim {
-            token,
-            takeover: false,
-        }))
     }
 
     async fn extend(
@@ -329,8 +435,8 @@ impl IdempotencyStore for MemoryStore {
         let now = Instant::now();
         match shard.map.get_mut(id) {
             Some(e) if e.token == *token && e.completion.is_none() && e.expires_at > now => {
-                e.lease_until = now + lease;
-                e.expires_at = e.expires_at.max(now + lease);
+                e.lease_until = after(now, lease);
+                e.expires_at = e.expires_at.max(e.lease_until);
                 Ok(())
             }
             _ => Err(StoreError::new(StoreErrorKind::Fenced)),
@@ -348,14 +454,18 @@ impl IdempotencyStore for MemoryStore {
         let now = Instant::now();
         match shard.map.get_mut(id) {
             Some(e) if e.token == *token && e.completion.is_none() && e.expires_at > now => {
+                let expires_at = after(now, ttl);
                 let size = ENTRY_OVERHEAD + completion_size(completion);
                 self.inner.bytes.fetch_add(size, Ordering::Relaxed);
                 self.inner.bytes.fetch_sub(e.size, Ordering::Relaxed);
                 e.size = size;
                 e.completion = Some(completion.clone());
-                e.expires_at = now + ttl;
+                e.expires_at = expires_at;
+                self.inner.note_expiry(expires_at);
                 Ok(())
             }
+            // Completed by this token already: a resend. Its answer stands.
+            Some(e) if e.token == *token && e.expires_at > now => Ok(()),
             _ => Err(StoreError::new(StoreErrorKind::Fenced)),
         }
     }
@@ -368,6 +478,9 @@ impl IdempotencyStore for MemoryStore {
                 self.inner.remove(&mut shard, id);
                 Ok(())
             }
+            // Gone (released by an earlier attempt, or expired): the key is free.
+            None => Ok(()),
+            Some(e) if e.expires_at <= now => Ok(()),
             _ => Err(StoreError::new(StoreErrorKind::Fenced)),
         }
     }
@@ -440,5 +553,109 @@ mod tests {
             .await
             .unwrap()
             .is_some());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn expired_unswept_records_never_make_the_store_full() {
+        // No periodic sweep will run: only the admission path can free the slots.
+        let store = MemoryStore::builder()
+            .max_records(NonZeroUsize::new(8).unwrap())
+            .shards(NonZeroUsize::new(16).unwrap())
+            .sweep_interval(Duration::from_secs(3600))
+            .build();
+        for i in 0..8 {
+            completed(&store, &format!("old-{i}"), Duration::from_secs(1)).await;
+        }
+        let fresh = RecordId::new(None, "fresh");
+        assert_eq!(
+            store
+                .claim(
+                    &fresh,
+                    &fp(),
+                    Duration::from_secs(1),
+                    Duration::from_secs(1)
+                )
+                .await
+                .unwrap_err()
+                .kind(),
+            StoreErrorKind::Full,
+            "live records do fill it"
+        );
+        tokio::time::advance(Duration::from_secs(2)).await;
+        assert_eq!(store.len(), 8, "expired, not yet swept");
+        for i in 0..8 {
+            let id = RecordId::new(None, &format!("new-{i}"));
+            let outcome = store
+                .claim(&id, &fp(), Duration::from_secs(60), Duration::from_secs(60))
+                .await
+                .expect("expired records make room");
+            assert!(matches!(outcome, ClaimOutcome::Claimed(_)));
+        }
+        assert_eq!(store.len(), 8);
+        // Full of live records again: refused, and the refusal evicted nothing.
+        assert_eq!(
+            store
+                .claim(
+                    &fresh,
+                    &fp(),
+                    Duration::from_secs(1),
+                    Duration::from_secs(1)
+                )
+                .await
+                .unwrap_err()
+                .kind(),
+            StoreErrorKind::Full
+        );
+        assert_eq!(store.len(), 8);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn keep_forever_durations_neither_panic_nor_leak_a_slot() {
+        let store = MemoryStore::builder()
+            .max_records(NonZeroUsize::new(1).unwrap())
+            .build();
+        let forever = Duration::MAX;
+        for key in ["a", "b", "c"] {
+            let id = RecordId::new(None, key);
+            let ClaimOutcome::Claimed(c) = store.claim(&id, &fp(), forever, forever).await.unwrap()
+            else {
+                panic!("fresh key")
+            };
+            store.extend(&id, &c.token, forever).await.unwrap();
+            store.release(&id, &c.token).await.unwrap();
+        }
+        let id = RecordId::new(None, "kept");
+        let ClaimOutcome::Claimed(c) = store.claim(&id, &fp(), forever, forever).await.unwrap()
+        else {
+            panic!("the slot came back")
+        };
+        let done = Completion::Tombstone {
+            status: http::StatusCode::OK,
+        };
+        store.complete(&id, &c.token, &done, forever).await.unwrap();
+        tokio::time::advance(Duration::from_secs(50 * 365 * 24 * 3600)).await;
+        assert!(store.get(&id).await.unwrap().is_some(), "kept for decades");
+    }
+
+    #[tokio::test]
+    async fn a_failed_random_source_fails_the_claim_and_takes_no_slot() {
+        let store = MemoryStore::builder()
+            .max_records(NonZeroUsize::new(1).unwrap())
+            .build();
+        let id = RecordId::new(None, "k");
+        crate::record::FAIL_RANDOM.with(|f| f.set(true));
+        let r = store
+            .claim(&id, &fp(), Duration::from_secs(1), Duration::from_secs(1))
+            .await;
+        crate::record::FAIL_RANDOM.with(|f| f.set(false));
+        assert_eq!(r.unwrap_err().kind(), StoreErrorKind::Unavailable);
+        assert!(store.is_empty());
+        assert!(matches!(
+            store
+                .claim(&id, &fp(), Duration::from_secs(1), Duration::from_secs(1))
+                .await
+                .unwrap(),
+            ClaimOutcome::Claimed(_)
+        ));
     }
 }

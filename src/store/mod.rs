@@ -19,7 +19,7 @@
 //! 2. A claim of an in-progress record whose lease has lapsed, with the same fingerprint,
 //!    takes over with a strictly greater generation; the old token is fenced from then on.
 //! 3. `complete`, `extend` and `release` with a stale token change nothing and fail with
-//!    [`StoreErrorKind::Fenced`].
+//!    [`StoreErrorKind::Fenced`] (a `release` of an absent record excepted, see 9).
 //! 4. A completed record replays byte-exactly: status, headers, body, trailers.
 //! 5. Past its TTL a record is absent; before it, a completed record is never lost except by
 //!    an explicit delete. A full store refuses new claims ([`StoreErrorKind::Full`]) and never
@@ -29,88 +29,172 @@
 //! 7. A call whose outcome is unknown (a timeout, a lost reply) is resolved by reading back
 //!    before answering; a store never reports `Claimed` without knowing it holds the claim.
 //! 8. Different record ids never see each other (scopes are part of the id).
+//! 9. `complete` and `release` are idempotent per token, because a call whose reply was lost
+//!    gets sent again: `complete` of a record this token already completed answers `Ok` and
+//!    writes nothing; `release` of an absent record answers `Ok` (the key is free, which is all
+//!    a release asks for: the record was released by this token's earlier attempt, or expired).
+//!    `complete` of an absent record is `Fenced`: nothing says the answer was recorded.
 //!
 //! # Implementing a custom store
 //!
 //! The claim has no default body: use the backend's own atomic primitive (a Lua script, an
-//! `INSERT … ON CONFLICT`, a conditional put). This toy store shows the shape; it keeps
-//! everything under one lock and never expires anything.
+//! `INSERT … ON CONFLICT`, a conditional put). This toy store shows the whole contract under
+//! one lock: leases, takeover, fencing, retention, and `complete`/`release` that answer `Ok`
+//! when resent. It passes the [conformance suite](crate::conformance) (feature
+//! `conformance`), which runs at the end of the example; run the suite on your own store the
+//! same way, or with [`conformance_suite!`](crate::conformance_suite) in a test file.
 //!
 //! ```
-//! use std::{collections::HashMap, sync::Mutex, time::Duration};
-//! use async_trait::async_trait;
+//! use std::{collections::HashMap, sync::Mutex, time::{Duration, Instant}};
 //! use tower_idempotency::store::{
-//!     Claim, ClaimOutcome, IdempotencyStore, StoreError, StoreErrorKind,
+//!     async_trait, Claim, ClaimOutcome, IdempotencyStore, StoreError, StoreErrorKind,
 //! };
 //! use tower_idempotency::{Completion, Fingerprint, Record, RecordId, RecordState, Token};
 //!
+//! struct Entry {
+//!     fingerprint: Fingerprint,
+//!     token: Token,
+//!     lease_until: Instant,
+//!     expires_at: Instant,
+//!     done: Option<Completion>,
+//! }
+//!
+//! impl Entry {
+//!     fn record(&self, now: Instant) -> Record {
+//!         let state = match &self.done {
+//!             Some(done) => RecordState::Completed(done.clone()),
+//!             None => RecordState::InProgress {
+//!                 lease_remaining: self.lease_until.saturating_duration_since(now),
+//!             },
+//!         };
+//!         Record { fingerprint: self.fingerprint, generation: self.token.generation(), state }
+//!     }
+//! }
+//!
+//! /// One clock (a monotonic `Instant`), one lock, and no size limit: a toy.
 //! #[derive(Default)]
-//! struct ToyStore(Mutex<HashMap<RecordId, (Token, Record)>>);
+//! struct ToyStore(Mutex<HashMap<RecordId, Entry>>);
+//!
+//! /// `now + d` without overflowing on a "keep forever" duration.
+//! fn after(now: Instant, d: Duration) -> Instant {
+//!     now.checked_add(d).unwrap_or(now + Duration::from_secs(100 * 365 * 86_400))
+//! }
+//!
+//! impl ToyStore {
+//!     /// The live entry of `id` held by `token`, or `Fenced`. Expired entries are absent.
+//!     fn held<'a>(map: &'a mut HashMap<RecordId, Entry>, id: &RecordId, token: &Token, now: Instant)
+//!         -> Result<Option<&'a mut Entry>, StoreError>
+//!     {
+//!         match map.get_mut(id) {
+//!             Some(e) if e.expires_at > now && e.token == *token => Ok(Some(e)),
+//!             Some(e) if e.expires_at > now => Err(StoreError::new(StoreErrorKind::Fenced)),
+//!             _ => Ok(None),
+//!         }
+//!     }
+//! }
 //!
 //! #[async_trait]
 //! impl IdempotencyStore for ToyStore {
-//!     async fn claim(&self, id: &RecordId, fp: &Fingerprint, lease: Duration, _ttl: Duration)
+//!     async fn claim(&self, id: &RecordId, fp: &Fingerprint, lease: Duration, ttl: Duration)
 //!         -> Result<ClaimOutcome, StoreError>
 //!     {
+//!         let now = Instant::now();
 //!         let mut map = self.0.lock().unwrap();
-//!         if let Some((_, record)) = map.get(id) {
-//!             return Ok(ClaimOutcome::Existing(record.clone()));
+//!         if let Some(e) = map.get_mut(id).filter(|e| e.expires_at > now) {
+//!             let lapsed = e.done.is_none() && e.lease_until <= now;
+//!             if !lapsed || e.fingerprint != *fp {
+//!                 return Ok(ClaimOutcome::Existing(e.record(now)));
+//!             }
+//!             // Takeover: the same request, and its holder went quiet for a whole lease.
+//!             e.token = Token::generate(e.token.generation() + 1)?;
+//!             e.lease_until = after(now, lease);
+//!             e.expires_at = e.expires_at.max(e.lease_until);
+//!             return Ok(ClaimOutcome::Claimed(Claim { token: e.token, takeover: true }));
 //!         }
-//!         let token = Token::new(1);
-//!         let record = Record {
+//!         // A failed OS random source fails the claim; never use a fixed nonce.
+//!         let token = Token::generate(1)?;
+//!         let entry = Entry {
 //!             fingerprint: *fp,
-//!             generation: 1,
-//!             state: RecordState::InProgress { lease_remaining: lease },
+//!             token,
+//!             lease_until: after(now, lease),
+//!             // An in-progress record is kept max(lease, ttl).
+//!             expires_at: after(now, lease.max(ttl)),
+//!             done: None,
 //!         };
-//!         map.insert(*id, (token, record));
+//!         map.insert(*id, entry);
 //!         Ok(ClaimOutcome::Claimed(Claim { token, takeover: false }))
 //!     }
 //!
-//!     async fn extend(&self, id: &RecordId, token: &Token, _lease: Duration) -> Result<(), StoreError> {
-//!         match self.0.lock().unwrap().get(id) {
-//!             Some((held, _)) if held == token => Ok(()),
+//!     async fn extend(&self, id: &RecordId, token: &Token, lease: Duration) -> Result<(), StoreError> {
+//!         let now = Instant::now();
+//!         let mut map = self.0.lock().unwrap();
+//!         match Self::held(&mut map, id, token, now)? {
+//!             Some(e) if e.done.is_none() => {
+//!                 e.lease_until = after(now, lease);
+//!                 e.expires_at = e.expires_at.max(e.lease_until);
+//!                 Ok(())
+//!             }
 //!             _ => Err(StoreError::new(StoreErrorKind::Fenced)),
 //!         }
 //!     }
 //!
-//!     async fn complete(&self, id: &RecordId, token: &Token, done: &Completion, _ttl: Duration)
+//!     async fn complete(&self, id: &RecordId, token: &Token, done: &Completion, ttl: Duration)
 //!         -> Result<(), StoreError>
 //!     {
-//!         match self.0.lock().unwrap().get_mut(id) {
-//!             Some((held, record)) if held == token => {
-//!                 record.state = RecordState::Completed(done.clone());
+//!         let now = Instant::now();
+//!         let mut map = self.0.lock().unwrap();
+//!         match Self::held(&mut map, id, token, now)? {
+//!             // The TTL counts from completion.
+//!             Some(e) if e.done.is_none() => {
+//!                 e.done = Some(done.clone());
+//!                 e.expires_at = after(now, ttl);
 //!                 Ok(())
 //!             }
-//!             _ => Err(StoreError::new(StoreErrorKind::Fenced)),
+//!             // Completed by this token already (a resend after a lost reply): the first
+//!             // answer stands.
+//!             Some(_) => Ok(()),
+//!             None => Err(StoreError::new(StoreErrorKind::Fenced)),
 //!         }
 //!     }
 //!
 //!     async fn release(&self, id: &RecordId, token: &Token) -> Result<(), StoreError> {
+//!         let now = Instant::now();
 //!         let mut map = self.0.lock().unwrap();
-//!         match map.get(id) {
-//!             Some((held, _)) if held == token => {
+//!         match Self::held(&mut map, id, token, now)? {
+//!             Some(e) if e.done.is_none() => {
 //!                 map.remove(id);
 //!                 Ok(())
 //!             }
-//!             _ => Err(StoreError::new(StoreErrorKind::Fenced)),
+//!             Some(_) => Err(StoreError::new(StoreErrorKind::Fenced)),
+//!             // Gone: released by an earlier attempt of this call; the key is free.
+//!             None => Ok(()),
 //!         }
 //!     }
 //!
 //!     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
-//!         Ok(self.0.lock().unwrap().get(id).map(|(_, r)| r.clone()))
+//!         let now = Instant::now();
+//!         let map = self.0.lock().unwrap();
+//!         Ok(map.get(id).filter(|e| e.expires_at > now).map(|e| e.record(now)))
 //!     }
 //! }
 //!
 //! let layer = tower_idempotency::IdempotencyLayer::new(ToyStore::default());
 //! # drop(layer);
+//!
+//! // The store contract, checked (about five seconds: leases and TTLs run in real time).
+//! #[cfg(feature = "conformance")]
+//! tokio::runtime::Runtime::new().unwrap().block_on(
+//!     tower_idempotency::conformance::run_all(
+//!         || async { std::sync::Arc::new(ToyStore::default()) as _ },
+//!         None,
+//!     ),
+//! );
 //! ```
 
 use std::error::Error as StdError;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
-
-use async_trait::async_trait;
 
 use crate::record::{Completion, Fingerprint, Record, RecordId, Token};
 
@@ -125,6 +209,9 @@ pub mod redis;
 pub mod postgres;
 
 pub use memory::MemoryStore;
+
+/// Re-exported for store authors: the trait's methods are `#[async_trait]`.
+pub use async_trait::async_trait;
 
 /// What [`IdempotencyStore::claim`] found.
 // Built once per request and moved a few times; boxing would allocate on every replay.
@@ -305,4 +392,70 @@ impl<T: IdempotencyStore + ?Sized> IdempotencyStore for Arc<T> {
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         (**self).get(id).await
     }
+}
+
+/// `error` and each of its sources, joined by `: `, skipping a message a cause repeats: the
+/// text of a setup error, which names the real cause.
+#[cfg(any(feature = "redis", feature = "postgres"))]
+pub(crate) fn error_chain(error: &(dyn StdError + 'static)) -> String {
+    let mut out = error.to_string();
+    let mut next = error.source();
+    while let Some(e) = next {
+        let msg = e.to_string();
+        if !out.contains(&msg) {
+            out.push_str(": ");
+            out.push_str(&msg);
+        }
+        next = e.source();
+    }
+    out
+}
+
+/// The URL of a backend for the unit tests that need one, or `None` (skipped, said so) when
+/// `var` is unset, unless `IDEMPOTENCY_REQUIRE_BACKENDS=1`.
+#[cfg(all(test, any(feature = "redis", feature = "postgres")))]
+pub(crate) fn test_backend_url(var: &str) -> Option<String> {
+    match std::env::var(var) {
+        Ok(url) if !url.is_empty() => Some(url),
+        _ => {
+            assert!(
+                std::env::var("IDEMPOTENCY_REQUIRE_BACKENDS").as_deref() != Ok("1"),
+                "{var} is unset but IDEMPOTENCY_REQUIRE_BACKENDS=1: the backend is required"
+            );
+            eprintln!("SKIPPED: {var} is unset, so this backend test did not run");
+            None
+        }
+    }
+}
+
+/// Claims `id` twice with equal nonces (the hook makes every nonce `[0; 16]`, as a broken
+/// random source once did) and different fingerprints: the second must not be `Claimed`.
+#[cfg(all(test, any(feature = "redis", feature = "postgres")))]
+pub(crate) async fn equal_nonces_with_different_fingerprints_claim_once(
+    store: &dyn IdempotencyStore,
+) {
+    use crate::record::FIXED_NONCE;
+    let id = RecordId::new(
+        Some("equal-nonces"),
+        &format!("{:?}", std::time::SystemTime::now()),
+    );
+    let (a, b) = (
+        Fingerprint::from_bytes([1; 32]),
+        Fingerprint::from_bytes([2; 32]),
+    );
+    let lease = Duration::from_secs(30);
+    FIXED_NONCE.with(|n| n.set(Some([0; 16])));
+    let first = store.claim(&id, &a, lease, lease).await;
+    let second = store.claim(&id, &b, lease, lease).await;
+    let resent = store.claim(&id, &a, lease, lease).await;
+    FIXED_NONCE.with(|n| n.set(None));
+    assert!(matches!(first.unwrap(), ClaimOutcome::Claimed(_)));
+    match second.unwrap() {
+        ClaimOutcome::Existing(r) => assert_eq!(r.fingerprint, a),
+        other @ ClaimOutcome::Claimed(_) => {
+            panic!("another request with an equal nonce claimed too: {other:?}")
+        }
+    }
+    // The same request with its own nonce is still recognised (the read-back path).
+    assert!(matches!(resent.unwrap(), ClaimOutcome::Claimed(_)));
 }

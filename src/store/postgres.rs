@@ -2,8 +2,9 @@
 //!
 //! Built on [`tokio_postgres`] and a [`deadpool_postgres`] pool; both crates are re-exported
 //! so that your versions match ours. Create the table once with
-//! [`migrate`](PostgresStore::migrate) (safe to run from every replica at start-up), then hand
-//! the store to the layer.
+//! [`migrate`](PostgresStore::migrate) (safe to run from every replica at start-up), or, when
+//! the table is managed elsewhere, check it with [`verify`](PostgresStore::verify); then hand
+//! the store to the layer. Setup fails with a [`SetupError`] whose text names the cause.
 //!
 //! ```no_run
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
@@ -58,10 +59,11 @@
 //!   and no pool connection is held while the handler works.
 //! - **Fencing**: `extend`, `complete` and `release` put the generation *and* the nonce in
 //!   their `WHERE` clause. Zero rows is [`StoreErrorKind::Fenced`], and nothing was written.
-//! - **One clock**: every time is the database's `statement_timestamp()` (which is `now()`
+//! - **One clock**: every time is the database's: `statement_timestamp()` (which is `now()`
 //!   for the store's own single-statement transactions, and stays correct inside a long
-//!   transaction for [`complete_in`](PostgresStore::complete_in)); the lease left is computed
-//!   in SQL.
+//!   transaction for [`complete_in`](PostgresStore::complete_in)), and `clock_timestamp()`
+//!   for the end of a lease, so time a statement spent waiting on a row lock does not shorten
+//!   the lease it grants; the lease left is computed in SQL.
 //! - **Unknown outcomes**: the nonce is generated here, not in SQL. When a statement was sent
 //!   and the reply is lost (a timeout, a dropped connection), the store drops that connection
 //!   and runs the statement again on a fresh one. The claim, complete and release statements
@@ -69,8 +71,15 @@
 //!   committed" (the row carries my nonce) from "someone else's record"; a repeated extend is
 //!   simply right. If that read-back fails too, the answer is [`StoreErrorKind::Unknown`],
 //!   never `Claimed`. Failures before anything was sent (no connection), and lost replies to
-//!   reads, are [`StoreErrorKind::Unavailable`]. Each operation, pool checkout included, is
-//!   bounded by [`with_timeout`](PostgresStore::with_timeout) (5 s by default).
+//!   reads, are [`StoreErrorKind::Unavailable`].
+//! - **One deadline per operation**: pool checkout, statements, retries and read-back
+//!   together are bounded by [`with_timeout`](PostgresStore::with_timeout) (5 s by default).
+//!   A statement the store gives up on is cancelled on the server with the driver's cancel
+//!   token, so no backend keeps running it. On connections from
+//!   [`connect`](PostgresStore::connect), `statement_timeout` and `lock_timeout` sit below
+//!   that deadline, so a statement blocked on a lock is ended by the server first: a known
+//!   failure (SQLSTATE `57014` or `55P03`, rolled back), [`StoreErrorKind::Unavailable`]
+//!   with no read-back needed. TCP keepalives notice a half-open connection after a failover.
 //! - **Statements are prepared once per connection** (deadpool's statement cache). Use
 //!   [`RecyclingMethod::Fast`](deadpool_postgres::RecyclingMethod::Fast) (deadpool's
 //!   default, and what [`connect`](PostgresStore::connect) sets): `Verified` costs one more
@@ -122,42 +131,44 @@
 //! not to complete or release after the handler did. The recorded [`Completion`] is what
 //! retries get, so it should match the response the handler returns.
 //!
+//! Under `REPEATABLE READ` or `SERIALIZABLE`, the layer's lease renewal updates the record
+//! while your transaction runs, and `complete_in` would then fail with a serialization failure
+//! (`40001`: the row changed after your snapshot). Call [`lock_in`](PostgresStore::lock_in)
+//! as the transaction's **first** statement: it takes the record's row lock with a snapshot
+//! that already has the latest renewal, and renewals wait for your commit. Under `READ
+//! COMMITTED` (Postgres's default) neither is needed.
+//!
+//! Use a pool of its own for business transactions: the store's pool also carries every
+//! claim and renewal, and a handler holding its connections can starve them.
+//!
 //! ```no_run
-//! use std::time::Duration;
 //! use bytes::Bytes;
-//! use http::{header, HeaderMap, HeaderValue, Request, Response, StatusCode};
+//! use tower_idempotency::store::postgres::deadpool_postgres::Pool;
+//! use http::{header, Request, Response, StatusCode};
 //! use tower_idempotency::store::postgres::PostgresStore;
-//! use tower_idempotency::{Completion, IdempotencyContext, RecordDecision, StoredResponse};
+//! use tower_idempotency::{IdempotencyContext, RecordDecision};
 //!
 //! type BoxError = Box<dyn std::error::Error + Send + Sync>;
 //!
 //! async fn place_order(
 //!     store: &PostgresStore,
+//!     business: &Pool, // not the store's pool
 //!     req: Request<Bytes>,
 //! ) -> Result<Response<Bytes>, BoxError> {
 //!     let ctx = req.extensions().get::<IdempotencyContext>().ok_or("not behind the layer")?;
-//!     let mut headers = HeaderMap::new();
-//!     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-//!     let body = Bytes::from_static(br#"{"order":"o-1"}"#);
-//!     let answer = Completion::Response(StoredResponse {
-//!         status: StatusCode::CREATED,
-//!         headers: headers.clone(),
-//!         body: body.clone(),
-//!         trailers: None,
-//!     });
+//!     let mut res = Response::builder()
+//!         .status(StatusCode::CREATED)
+//!         .header(header::CONTENT_TYPE, "application/json")
+//!         .body(Bytes::from_static(br#"{"order":"o-1"}"#))?;
 //!
-//!     let mut conn = store.pool().get().await?;
+//!     let mut conn = business.get().await?;
 //!     let tx = conn.transaction().await?;
 //!     tx.execute("INSERT INTO orders (id, sku) VALUES ($1, $2)", &[&"o-1", &"sku-1"]).await?;
 //!     // Last before COMMIT. Fenced like `complete`: with a stale token it fails, and the
-//!     // order is rolled back with it. The TTL should match the layer's retention.
-//!     let ttl = Duration::from_secs(24 * 3600);
-//!     store.complete_in(&tx, &ctx.record_id(), &ctx.token(), &answer, ttl).await?;
+//!     // order is rolled back with it.
+//!     store.record_in(&tx, ctx, &res).await?;
 //!     tx.commit().await?;
 //!
-//!     let mut res = Response::new(body);
-//!     *res.status_mut() = StatusCode::CREATED;
-//!     *res.headers_mut() = headers;
 //!     res.extensions_mut().insert(RecordDecision::AlreadyRecorded);
 //!     Ok(res)
 //! }
@@ -190,7 +201,9 @@ pub use tokio_postgres;
 
 use deadpool_postgres::{GenericClient, Object, Pool};
 
-use super::{Claim, ClaimOutcome, IdempotencyStore, StoreError, StoreErrorKind};
+use super::{
+    error_chain as chain, Claim, ClaimOutcome, IdempotencyStore, StoreError, StoreErrorKind,
+};
 use crate::error::ConfigError;
 use crate::record::{
     get_headers, put_headers, Completion, Fingerprint, Record, RecordId, RecordState,
@@ -200,8 +213,47 @@ use crate::record::{
 /// The table [`PostgresStore::new`] uses.
 pub const DEFAULT_TABLE: &str = "idempotency_records";
 
-/// Default bound on one operation: pool checkout plus the statement.
+/// Default bound on one operation: pool checkout, statement, retries and read-back.
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
+
+// How one operation spends its budget T (`with_timeout`, DEFAULT_TIMEOUT by default):
+//
+// - the whole operation (checkout, prepare, statement, retries, read-back) ends at T;
+// - the first attempt of a write ends at 2T/3 (FIRST_TRY_SHARE thirds), so when its reply is
+//   lost a read-back on a fresh connection still has T/3 (connect plus one statement);
+// - on the connections `connect` opens, the server itself aborts a lock wait at
+//   lock_timeout = 2T/5 (55P03) and any statement at statement_timeout = T/2 (57014). Both
+//   come before the client's 2T/3 whenever checkout and prepare take less than T/6, so a
+//   blocked statement ends as a known failure (rolled back: no read-back needed) rather than
+//   an unknown one;
+// - a statement the client gives up on anyway is cancelled on the server (cancel token).
+//
+// With T = 300 ms: locks wait 120 ms, statements run 150 ms, the first try ends at 200 ms and
+// the read-back has 100 ms.
+const FIRST_TRY_SHARE: u32 = 2;
+
+/// `statement_timeout` and `lock_timeout` for operations bounded by `t` (see above), in whole
+/// milliseconds, at least 1 (0 would turn them off).
+fn server_timeouts(t: Duration) -> (u128, u128) {
+    let ms = |d: Duration| d.as_millis().max(1);
+    (ms(t / 2), ms(t * 2 / 5))
+}
+
+/// The connection options `connect` adds: the server-side timeouts for `t`.
+fn timeout_options(existing: Option<&str>, t: Duration) -> String {
+    let (statement, lock) = server_timeouts(t);
+    let ours = format!("-c statement_timeout={statement} -c lock_timeout={lock}");
+    match existing {
+        Some(o) if !o.trim().is_empty() => format!("{o} {ours}"),
+        _ => ours,
+    }
+}
+
+/// TCP keepalive probes: a half-open connection (a failed-over server) is noticed in about
+/// 30 s + 3 × 10 s, not the OS default of two hours.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+const KEEPALIVE_RETRIES: u32 = 3;
 
 /// Attempts per operation, for serialization failures and lost races.
 const MAX_ATTEMPTS: u32 = 8;
@@ -242,6 +294,8 @@ const EXISTING: i16 = 2;
 #[derive(Clone)]
 pub struct PostgresStore {
     pool: Pool,
+    /// The driver config when `connect` built the pool: `with_timeout` rebuilds it then.
+    config: Option<Arc<tokio_postgres::Config>>,
     table: Arc<Table>,
     sql: Arc<Sql>,
     timeout: Duration,
@@ -257,6 +311,67 @@ impl fmt::Debug for PostgresStore {
             .finish_non_exhaustive()
     }
 }
+
+/// Why a [`PostgresStore`] could not be set up: from [`connect`](PostgresStore::connect),
+/// [`migrate`](PostgresStore::migrate) and [`verify`](PostgresStore::verify).
+///
+/// The text names the cause and what to do; the driver error it came from is kept in the
+/// variant (and is part of the text, so it is not repeated as a [`source`](StdError::source)).
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum SetupError {
+    /// The URL or connection string did not parse.
+    Url(tokio_postgres::Error),
+    /// No connection could be opened: nothing listening, refused login, unknown database.
+    Connect(deadpool_postgres::PoolError),
+    /// The table does not exist (or its schema does not): run
+    /// [`migrate`](PostgresStore::migrate).
+    MissingTable {
+        /// The table, as given to [`with_table`](PostgresStore::with_table).
+        table: String,
+    },
+    /// [`migrate`](PostgresStore::migrate) could not create the table: its schema does not
+    /// exist, or the role may not create it.
+    Migrate {
+        /// The table, as given to [`with_table`](PostgresStore::with_table).
+        table: String,
+        /// What the server (or the connection) said.
+        error: tokio_postgres::Error,
+    },
+    /// The table exists but the store cannot use it: a missing column, no privilege.
+    Table {
+        /// The table, as given to [`with_table`](PostgresStore::with_table).
+        table: String,
+        /// What the server said.
+        error: tokio_postgres::Error,
+    },
+}
+
+impl fmt::Display for SetupError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SetupError::Url(e) => write!(f, "invalid Postgres URL: {}", chain(e)),
+            SetupError::Connect(e) => write!(f, "could not connect to Postgres: {}", chain(e)),
+            SetupError::MissingTable { table } => write!(
+                f,
+                "the idempotency table {table} does not exist; create it with \
+                 PostgresStore::migrate() (or the SQL in the store's docs)"
+            ),
+            SetupError::Migrate { table, error } => write!(
+                f,
+                "could not create the idempotency table {table}: {}",
+                chain(error)
+            ),
+            SetupError::Table { table, error } => write!(
+                f,
+                "the idempotency table {table} cannot be used: {}",
+                chain(error)
+            ),
+        }
+    }
+}
+
+impl StdError for SetupError {}
 
 /// The validated table: quoted for SQL, and the key of its migration lock.
 #[derive(Debug)]
@@ -318,6 +433,8 @@ struct Sql {
     extend: String,
     complete: String,
     release: String,
+    lock: String,
+    held: String,
     get: String,
     sweep: String,
 }
@@ -370,27 +487,30 @@ impl Sql {
             ),
             // $1 id, $2 fingerprint, $3 nonce, $4 lease µs, $5 ttl µs.
             // A new record is kept max(lease, ttl); a takeover keeps the retention and
-            // extends it to cover the new lease, so expires_at >= locked_until always.
+            // extends it to cover the new lease, so expires_at >= locked_until (to the
+            // microsecond: the predicates above never rely on it). Leases start at
+            // clock_timestamp(), when the row is written: time spent waiting on a row lock
+            // does not shorten them.
             claim: format!(
                 "WITH ins AS (
                      INSERT INTO {t} AS r (id, fingerprint, state, generation, nonce,
                                            locked_until, created_at, expires_at)
                      VALUES ($1::bytea, $2::bytea, 0, 1, $3::bytea,
-                             statement_timestamp() + $4::bigint {us},
+                             clock_timestamp() + $4::bigint {us},
                              statement_timestamp(),
-                             statement_timestamp() + GREATEST($4::bigint, $5::bigint) {us})
+                             clock_timestamp() + GREATEST($4::bigint, $5::bigint) {us})
                      ON CONFLICT (id) DO NOTHING
                      RETURNING r.generation
                  ), upd AS (
                      UPDATE {t} AS r SET
                          fingerprint = $2, state = 0, nonce = $3,
                          generation = CASE WHEN {exp} THEN 1 ELSE r.generation + 1 END,
-                         locked_until = statement_timestamp() + $4 {us},
+                         locked_until = clock_timestamp() + $4 {us},
                          created_at = CASE WHEN {exp} THEN statement_timestamp()
                                       ELSE r.created_at END,
                          expires_at = CASE WHEN {exp}
-                                      THEN statement_timestamp() + GREATEST($4, $5) {us}
-                                      ELSE GREATEST(r.expires_at, statement_timestamp() + $4 {us})
+                                      THEN clock_timestamp() + GREATEST($4, $5) {us}
+                                      ELSE GREATEST(r.expires_at, clock_timestamp() + $4 {us})
                                       END,
                          status = NULL, headers = NULL, body = NULL, trailers = NULL
                      WHERE r.id = $1 AND ({exp} OR {lapsed})
@@ -419,8 +539,8 @@ impl Sql {
             // $1 id, $2 generation, $3 nonce, $4 lease µs.
             extend: format!(
                 "UPDATE {t} AS r SET
-                     locked_until = statement_timestamp() + $4::bigint {us},
-                     expires_at = GREATEST(r.expires_at, statement_timestamp() + $4::bigint {us})
+                     locked_until = clock_timestamp() + $4::bigint {us},
+                     expires_at = GREATEST(r.expires_at, clock_timestamp() + $4::bigint {us})
                  WHERE {fenced}
                  RETURNING 1"
             ),
@@ -448,6 +568,14 @@ impl Sql {
                  )
                  SELECT EXISTS (SELECT FROM del) AS applied,
                         EXISTS (SELECT FROM {t} AS r WHERE r.id = $1 AND NOT {exp}) AS present"
+            ),
+            // $1 id, $2 generation, $3 nonce.
+            lock: format!("SELECT 1 FROM {t} AS r WHERE {fenced} FOR UPDATE"),
+            // $1 id, $2 generation, $3 nonce: a fresh look at the live row, if any, after a
+            // write that changed nothing (its own snapshot may predate a late commit).
+            held: format!(
+                "SELECT r.generation = $2::bigint AND r.nonce = $3::bytea AS mine, r.state
+                 FROM {t} AS r WHERE r.id = $1::bytea AND NOT {exp}"
             ),
             get: format!("SELECT {record_cols} FROM {t} AS r WHERE r.id = $1::bytea AND NOT {exp}"),
             // SKIP LOCKED: never wait behind a claim that is replacing an expired row.
@@ -478,9 +606,14 @@ enum Failure {
     Refused(StoreError),
 }
 
-/// The retry policy of one operation: bounded attempts, and memory of an unknown outcome.
+/// The retry policy of one operation: bounded attempts within one deadline, and memory of an
+/// unknown outcome.
 struct Attempts<'a> {
     store: &'a PostgresStore,
+    /// The first attempt ends here, leaving the rest of the budget to a read-back.
+    first_by: Instant,
+    /// The whole operation ends here, read-back included.
+    end: Instant,
     made: u32,
     reconnects: u32,
     /// A read, or a write whose repeat needs no read-back: a lost reply is not "unknown".
@@ -492,8 +625,11 @@ struct Attempts<'a> {
 
 impl<'a> Attempts<'a> {
     fn new(store: &'a PostgresStore, idempotent: bool) -> Self {
+        let start = Instant::now();
         Self {
             store,
+            first_by: start + store.timeout * FIRST_TRY_SHARE / 3,
+            end: start + store.timeout,
             made: 0,
             reconnects: 0,
             idempotent,
@@ -501,8 +637,19 @@ impl<'a> Attempts<'a> {
         }
     }
 
-    fn uncertain(&self) -> bool {
-        self.uncertain.is_some()
+    /// The deadline of the next attempt, or the error to give up with once the operation's
+    /// own deadline has passed. A write whose outcome is still known keeps a third of the
+    /// budget back, for reading back a reply it may lose.
+    fn deadline(&mut self) -> Result<Instant, StoreError> {
+        let now = Instant::now();
+        if now >= self.end {
+            return Err(self.give_up(Some(Box::new(DeadlinePassed(self.store.timeout)))));
+        }
+        if !self.idempotent && self.uncertain.is_none() && now < self.first_by {
+            Ok(self.first_by)
+        } else {
+            Ok(self.end)
+        }
     }
 
     /// `Ok` to try again, or the error to give up with.
@@ -514,7 +661,8 @@ impl<'a> Attempts<'a> {
                     return Err(self.give_up(Some(e.into())));
                 }
                 self.store.retries.fetch_add(1, Ordering::Relaxed);
-                backoff(self.made).await;
+                // The next `deadline` gives up if the backoff ran into the end.
+                let _ = timeout_at(self.end, backoff(self.made)).await;
                 Ok(())
             }
             Failure::Down { error, sent } => {
@@ -616,6 +764,7 @@ fn refused(error: tokio_postgres::Error) -> StoreError {
         Some(c) if *c == SqlState::DISK_FULL => StoreErrorKind::Full,
         Some(c)
             if *c == SqlState::QUERY_CANCELED
+                || *c == SqlState::LOCK_NOT_AVAILABLE
                 || *c == SqlState::TOO_MANY_CONNECTIONS
                 || *c == SqlState::T_R_SERIALIZATION_FAILURE
                 || *c == SqlState::T_R_DEADLOCK_DETECTED
@@ -629,6 +778,18 @@ fn refused(error: tokio_postgres::Error) -> StoreError {
     };
     StoreError::with_source(kind, error)
 }
+
+/// The source of an error when an operation used up its time.
+#[derive(Debug)]
+struct DeadlinePassed(Duration);
+
+impl fmt::Display for DeadlinePassed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "the postgres operation ran out of its {:?}", self.0)
+    }
+}
+
+impl StdError for DeadlinePassed {}
 
 /// Why stored columns could not be read back.
 #[derive(Debug)]
@@ -722,7 +883,11 @@ fn decode_record(row: &Row) -> Result<Record, StoreError> {
 }
 
 /// What the claim statement returned: `None` when it lost a race and must run again.
-fn decode_claim(rows: &[Row], nonce: &[u8; 16]) -> Result<Option<ClaimOutcome>, StoreError> {
+fn decode_claim(
+    rows: &[Row],
+    fingerprint: &Fingerprint,
+    nonce: &[u8; 16],
+) -> Result<Option<ClaimOutcome>, StoreError> {
     let mut best: Option<(i16, &Row)> = None;
     for row in rows {
         let outcome: i16 = column(row, "outcome")?;
@@ -746,11 +911,16 @@ fn decode_claim(rows: &[Row], nonce: &[u8; 16]) -> Result<Option<ClaimOutcome>, 
         EXISTING => {
             let held: Vec<u8> = column(row, "nonce")?;
             let state: i16 = column(row, "state")?;
-            // Our own nonce: an earlier attempt whose reply was lost did commit.
-            if state == IN_PROGRESS && held.as_slice() == nonce.as_slice() {
+            let record = decode_record(row)?;
+            // Our own nonce and request: an earlier attempt whose reply was lost did commit.
+            // Equal nonces alone never prove that, so the fingerprint must match too.
+            if state == IN_PROGRESS
+                && held.as_slice() == nonce.as_slice()
+                && record.fingerprint == *fingerprint
+            {
                 return claimed(generation);
             }
-            Ok(Some(ClaimOutcome::Existing(decode_record(row)?)))
+            Ok(Some(ClaimOutcome::Existing(record)))
         }
         _ => Err(corrupt(CorruptRow("unknown claim outcome"))),
     }
@@ -823,35 +993,31 @@ impl PostgresStore {
     /// Each operation borrows a connection for one statement and returns it at once.
     pub fn new(pool: Pool) -> Self {
         let table = Table::parse(DEFAULT_TABLE).expect("the default table name is valid");
-        Self::with_parts(pool, table, DEFAULT_TIMEOUT)
+        Self::with_parts(pool, None, table, DEFAULT_TIMEOUT)
     }
 
-    fn with_parts(pool: Pool, table: Table, timeout: Duration) -> Self {
+    fn with_parts(
+        pool: Pool,
+        config: Option<Arc<tokio_postgres::Config>>,
+        table: Table,
+        timeout: Duration,
+    ) -> Self {
         Self {
             sql: Arc::new(Sql::new(&table)),
             table: Arc::new(table),
             pool,
+            config,
             timeout,
             retries: Arc::new(AtomicU64::new(0)),
         }
     }
 
-    /// Connects to `url` (a `postgres://` URL or a key-value string) without TLS, with a pool
-    /// of 16 connections, and checks that one connection opens.
-    ///
-    /// The connections' `application_name` is `tower-idempotency` unless the URL sets one.
-    /// For TLS or other pool settings, build a [`Pool`] and use [`PostgresStore::new`].
-    pub async fn connect(url: &str) -> Result<Self, StoreError> {
-        // A malformed URL is `Other`, with the driver's parse error as source.
-        let mut config: tokio_postgres::Config = url
-            .parse()
-            .map_err(|e| StoreError::with_source(StoreErrorKind::Other, e))?;
-        if config.get_application_name().is_none() {
-            config.application_name("tower-idempotency");
-        }
-        if config.get_connect_timeout().is_none() {
-            config.connect_timeout(DEFAULT_TIMEOUT);
-        }
+    /// The pool `connect` makes: 16 connections without TLS, each with the server-side
+    /// timeouts for `timeout` (see [`server_timeouts`]). Does no I/O.
+    fn owned_pool(config: &tokio_postgres::Config, timeout: Duration) -> Result<Pool, StoreError> {
+        let mut config = config.clone();
+        let options = timeout_options(config.get_options(), timeout);
+        config.options(options);
         let manager = deadpool_postgres::Manager::from_config(
             config,
             tokio_postgres::NoTls,
@@ -859,18 +1025,46 @@ impl PostgresStore {
                 recycling_method: deadpool_postgres::RecyclingMethod::Fast,
             },
         );
-        let pool = Pool::builder(manager)
+        Pool::builder(manager)
             .max_size(16)
             .runtime(deadpool_postgres::Runtime::Tokio1)
             .create_timeout(Some(DEFAULT_TIMEOUT))
             .build()
-            .map_err(|e| StoreError::with_source(StoreErrorKind::Other, e))?;
-        drop(
-            pool.get()
-                .await
-                .map_err(|e| StoreError::with_source(StoreErrorKind::Unavailable, e))?,
-        );
-        Ok(Self::new(pool))
+            .map_err(|e| StoreError::with_source(StoreErrorKind::Other, e))
+    }
+
+    /// Connects to `url` (a `postgres://` URL or a key-value string) without TLS, with a pool
+    /// of 16 connections, and checks that one connection opens.
+    ///
+    /// The connections' `application_name` is `tower-idempotency` unless the URL sets one.
+    /// Their `statement_timeout` and `lock_timeout` sit just below the store's
+    /// [timeout](Self::with_timeout), so the server ends a blocked statement itself, and TCP
+    /// keepalives notice a dead peer within about a minute.
+    /// For TLS or other pool settings, build a [`Pool`] and use [`PostgresStore::new`].
+    pub async fn connect(url: &str) -> Result<Self, SetupError> {
+        let mut config: tokio_postgres::Config = url.parse().map_err(SetupError::Url)?;
+        if config.get_application_name().is_none() {
+            config.application_name("tower-idempotency");
+        }
+        if config.get_connect_timeout().is_none() {
+            config.connect_timeout(DEFAULT_TIMEOUT);
+        }
+        config
+            .keepalives(true)
+            .keepalives_idle(KEEPALIVE_IDLE)
+            .keepalives_interval(KEEPALIVE_INTERVAL)
+            .keepalives_retries(KEEPALIVE_RETRIES);
+        // Building a pool only fails for a broken runtime setup, which a test would catch.
+        let pool = Self::owned_pool(&config, DEFAULT_TIMEOUT)
+            .expect("a deadpool pool with the tokio runtime builds");
+        drop(pool.get().await.map_err(SetupError::Connect)?);
+        let table = Table::parse(DEFAULT_TABLE).expect("the default table name is valid");
+        Ok(Self::with_parts(
+            pool,
+            Some(Arc::new(config)),
+            table,
+            DEFAULT_TIMEOUT,
+        ))
     }
 
     /// Uses the table `name`: `table` or `schema.table`, each a lowercase SQL identifier
@@ -879,16 +1073,40 @@ impl PostgresStore {
     /// Names are validated, not escaped: anything else is refused.
     pub fn with_table(self, name: &str) -> Result<Self, ConfigError> {
         let table = Table::parse(name)?;
-        Ok(Self::with_parts(self.pool, table, self.timeout))
+        Ok(Self::with_parts(
+            self.pool,
+            self.config,
+            table,
+            self.timeout,
+        ))
     }
 
-    /// Bounds each operation (pool checkout plus statement) to `timeout` (default 5 s).
+    /// Bounds each operation to `timeout` (default 5 s): pool checkout, statement, retries
+    /// and read-back together, one deadline per operation.
     ///
-    /// A statement that times out has an unknown outcome; the store reads it back on a fresh
-    /// connection before answering (see the [module docs](self)).
+    /// A statement still running when a write's first attempt runs out (at two thirds of
+    /// `timeout`) is cancelled on the server and has an unknown outcome; the store reads it
+    /// back on a fresh connection in the time left (see the [module docs](self)).
+    ///
+    /// On a store from [`connect`](Self::connect) this also sets the connections'
+    /// `statement_timeout` to half of `timeout` and `lock_timeout` to two fifths, so the
+    /// server ends a blocked statement first, as a known failure
+    /// ([`StoreErrorKind::Unavailable`]); the pool is rebuilt for that (no I/O). On your own
+    /// pool ([`new`](Self::new)), set them yourself the same way, e.g. with the connection
+    /// option `-c statement_timeout=2500 -c lock_timeout=2000` for the default 5 s.
     #[must_use]
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
+        if let Some(config) = &self.config {
+            match Self::owned_pool(config, timeout) {
+                Ok(pool) => self.pool = pool,
+                // Only a broken runtime setup fails here; the old pool still works.
+                Err(e) => tracing::warn!(
+                    error = &e as &dyn StdError,
+                    "could not rebuild the postgres pool with the new timeouts"
+                ),
+            }
+        }
         self
     }
 
@@ -913,14 +1131,11 @@ impl PostgresStore {
     /// Idempotent, and safe when many processes run it at once: it takes a transaction-level
     /// advisory lock first, and still treats a lost creation race (SQLSTATE `42P07`, `42710`,
     /// or `23505` on the catalog) as done and checks again. The schema must exist.
-    pub async fn migrate(&self) -> Result<(), StoreError> {
+    pub async fn migrate(&self) -> Result<(), SetupError> {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let client = timeout_at(Instant::now() + self.timeout, self.pool.get())
-                .await
-                .map_err(|e| StoreError::with_source(StoreErrorKind::Unavailable, e))?
-                .map_err(|e| StoreError::with_source(StoreErrorKind::Unavailable, e))?;
+            let client = self.setup_client().await?;
             // One simple-query message: the statements run in one implicit transaction.
             let Err(e) = client.batch_execute(&self.sql.migrate).await else {
                 return Ok(());
@@ -935,11 +1150,51 @@ impl PostgresStore {
             if !race || attempt >= MAX_ATTEMPTS {
                 if e.code().is_none() {
                     discard(client);
-                    return Err(StoreError::with_source(StoreErrorKind::Unavailable, e));
                 }
-                return Err(refused(e));
+                return Err(SetupError::Migrate {
+                    table: self.table.name.clone(),
+                    error: e,
+                });
             }
             backoff(attempt).await;
+        }
+    }
+
+    /// A pooled connection for setup, within the timeout.
+    async fn setup_client(&self) -> Result<Object, SetupError> {
+        timeout_at(Instant::now() + self.timeout, self.pool.get())
+            .await
+            .unwrap_or(Err(deadpool_postgres::PoolError::Timeout(
+                deadpool_postgres::TimeoutType::Wait,
+            )))
+            .map_err(SetupError::Connect)
+    }
+
+    /// Checks, in one statement, that the table exists with every column the store uses and
+    /// that this role may read it: call it at start-up (after [`migrate`](Self::migrate), or
+    /// instead of it when the table is managed elsewhere), so a missing table is a clear
+    /// [`SetupError::MissingTable`] rather than a `503` on every request.
+    pub async fn verify(&self) -> Result<(), SetupError> {
+        let client = self.setup_client().await?;
+        let sql = format!(
+            "SELECT id, fingerprint, state, generation, nonce, locked_until, status, headers, \
+             body, trailers, created_at, expires_at FROM {} LIMIT 0",
+            self.table.quoted
+        );
+        match client.query(&sql, &[]).await {
+            Ok(_) => Ok(()),
+            Err(e)
+                if e.code() == Some(&SqlState::UNDEFINED_TABLE)
+                    || e.code() == Some(&SqlState::INVALID_SCHEMA_NAME) =>
+            {
+                Err(SetupError::MissingTable {
+                    table: self.table.name.clone(),
+                })
+            }
+            Err(e) => Err(SetupError::Table {
+                table: self.table.name.clone(),
+                error: e,
+            }),
         }
     }
 
@@ -985,6 +1240,64 @@ impl PostgresStore {
         SweeperHandle { task: Some(task) }
     }
 
+    /// Takes the row lock of `token`'s record in your transaction, for
+    /// [`complete_in`](Self::complete_in) under `REPEATABLE READ` or `SERIALIZABLE`: call it
+    /// as the transaction's first statement. Until you commit or roll back, lease renewals and
+    /// takeovers of the record wait (a renewal that waits past its deadline fails, and the
+    /// next one is tried); keep the transaction shorter than the lease.
+    ///
+    /// Fenced like [`complete`](IdempotencyStore::complete): a stale token is
+    /// [`StoreErrorKind::Fenced`]. Not needed under `READ COMMITTED`.
+    pub async fn lock_in<C>(
+        &self,
+        client: &C,
+        id: &RecordId,
+        token: &Token,
+    ) -> Result<(), StoreError>
+    where
+        C: GenericClient,
+    {
+        let (generation, nonce) = token_params(token);
+        let params: [&(dyn ToSql + Sync); 3] = [&id.as_bytes().as_slice(), &generation, &nonce];
+        let statement = client
+            .prepare_cached(&self.sql.lock)
+            .await
+            .map_err(refused)?;
+        let rows = client.query(&statement, &params).await.map_err(refused)?;
+        if rows.is_empty() {
+            Err(StoreError::new(StoreErrorKind::Fenced))
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Records `response` as the answer of the request `ctx` belongs to, through `client`,
+    /// typically inside your own transaction: [`complete_in`](Self::complete_in) with the
+    /// context's record id, token and TTL, and the headers the layer would keep
+    /// ([`IdempotencyContext::completion`](crate::IdempotencyContext::completion)).
+    ///
+    /// Call it last before `COMMIT`, return `response` from the handler, and mark it with
+    /// [`RecordDecision::AlreadyRecorded`](crate::RecordDecision::AlreadyRecorded).
+    pub async fn record_in<C>(
+        &self,
+        client: &C,
+        ctx: &crate::IdempotencyContext,
+        response: &http::Response<bytes::Bytes>,
+    ) -> Result<(), StoreError>
+    where
+        C: GenericClient,
+    {
+        let completion = ctx.completion(response);
+        self.complete_in(
+            client,
+            &ctx.record_id(),
+            &ctx.token(),
+            &completion,
+            ctx.ttl(),
+        )
+        .await
+    }
+
     /// Completes `token`'s claim through `client`, typically inside your own transaction, so
     /// the recorded answer commits with your writes or not at all.
     ///
@@ -995,7 +1308,10 @@ impl PostgresStore {
     ///
     /// The statement row-locks the record until you commit, so a takeover (and the layer's
     /// lease renewal) waits for your outcome: call it last, just before `COMMIT`. After a
-    /// commit, `complete`, `extend` and `release` with this token are fenced.
+    /// commit, `extend` and `release` with this token are fenced, and `complete` answers `Ok`
+    /// (the answer is recorded already). Under `REPEATABLE READ` or `SERIALIZABLE`, call
+    /// [`lock_in`](Self::lock_in) first, or a renewal during the transaction makes this fail
+    /// with a serialization failure.
     pub async fn complete_in<C>(
         &self,
         client: &C,
@@ -1017,11 +1333,37 @@ impl PostgresStore {
             .query_one(&statement, &params)
             .await
             .map_err(refused)?;
-        if column::<bool>(&row, "applied")? {
+        if column::<bool>(&row, "applied")? || column::<bool>(&row, "done")? {
             Ok(())
         } else {
             Err(StoreError::new(StoreErrorKind::Fenced))
         }
+    }
+
+    /// A fresh read of the live row: `(held by token, state)`, or `None` when absent. Run
+    /// before answering `Fenced`: a write's own snapshot can predate a commit it then waited
+    /// for (a first attempt whose reply was lost, committing late).
+    async fn held(
+        &self,
+        id: &RecordId,
+        token: &Token,
+        end: Instant,
+    ) -> Result<Option<(bool, i16)>, StoreError> {
+        let (generation, nonce) = token_params(token);
+        let params: [&(dyn ToSql + Sync); 3] = [&id.as_bytes().as_slice(), &generation, &nonce];
+        // Within what is left of the calling operation's deadline.
+        let mut attempts = Attempts::new(self, true);
+        attempts.end = end;
+        let rows = loop {
+            let deadline = attempts.deadline()?;
+            match self.attempt(&self.sql.held, &params, deadline).await {
+                Ok(rows) => break rows,
+                Err(f) => attempts.after(f).await?,
+            }
+        };
+        rows.first()
+            .map(|row| Ok((column(row, "mine")?, column(row, "state")?)))
+            .transpose()
     }
 
     /// One attempt: a pooled connection, the cached statement, within the timeout.
@@ -1029,8 +1371,8 @@ impl PostgresStore {
         &self,
         sql: &str,
         params: &[&(dyn ToSql + Sync)],
+        deadline: Instant,
     ) -> Result<Vec<Row>, Failure> {
-        let deadline = Instant::now() + self.timeout;
         let client = match timeout_at(deadline, self.pool.get()).await {
             Ok(Ok(client)) => client,
             Ok(Err(e)) => {
@@ -1074,7 +1416,15 @@ impl PostgresStore {
                 Err(failure)
             }
             Err(e) => {
-                // The reply may still arrive on this connection: never reuse it.
+                // The statement may still be running, or waiting on a lock: cancel it on the
+                // server (on a connection of its own, in the background, so this operation
+                // keeps its deadline), and never reuse this connection.
+                let cancel = client.cancel_token();
+                tokio::spawn(async move {
+                    if let Err(e) = cancel.cancel_query(tokio_postgres::NoTls).await {
+                        tracing::debug!(error = %e, "could not cancel a timed-out statement");
+                    }
+                });
                 discard(client);
                 Err(Failure::Down {
                     error: e.into(),
@@ -1094,7 +1444,8 @@ impl PostgresStore {
     ) -> Result<Vec<Row>, StoreError> {
         let mut attempts = Attempts::new(self, idempotent);
         loop {
-            match self.attempt(sql, params).await {
+            let deadline = attempts.deadline()?;
+            match self.attempt(sql, params, deadline).await {
                 Ok(rows) => return Ok(rows),
                 Err(f) => attempts.after(f).await?,
             }
@@ -1112,7 +1463,7 @@ impl IdempotencyStore for PostgresStore {
         ttl: Duration,
     ) -> Result<ClaimOutcome, StoreError> {
         // Our nonce, chosen before sending: it is how a read-back recognises our claim.
-        let nonce = *Token::new(0).nonce();
+        let nonce = *Token::generate(0)?.nonce();
         let (lease, ttl) = (micros(lease), micros(ttl));
         let params: [&(dyn ToSql + Sync); 5] = [
             &id.as_bytes().as_slice(),
@@ -1123,8 +1474,9 @@ impl IdempotencyStore for PostgresStore {
         ];
         let mut attempts = Attempts::new(self, false);
         loop {
-            match self.attempt(&self.sql.claim, &params).await {
-                Ok(rows) => match decode_claim(&rows, &nonce)? {
+            let deadline = attempts.deadline()?;
+            match self.attempt(&self.sql.claim, &params, deadline).await {
+                Ok(rows) => match decode_claim(&rows, fingerprint, &nonce)? {
                     Some(outcome) => return Ok(outcome),
                     None => attempts.again()?,
                 },
@@ -1162,18 +1514,23 @@ impl IdempotencyStore for PostgresStore {
         let params = owned.params();
         let mut attempts = Attempts::new(self, false);
         loop {
-            match self.attempt(&self.sql.complete, &params).await {
+            let deadline = attempts.deadline()?;
+            match self.attempt(&self.sql.complete, &params, deadline).await {
                 Ok(rows) => {
                     let row = rows
                         .first()
                         .ok_or_else(|| corrupt(CorruptRow("complete returned no row")))?;
                     let applied: bool = column(row, "applied")?;
-                    // Completed with our token already: our lost first attempt committed.
+                    // Completed with our token already: a resend, or our lost first attempt
+                    // committed. Either way our answer is stored.
                     let done: bool = column(row, "done")?;
-                    if applied || (done && attempts.uncertain()) {
+                    if applied || done {
                         return Ok(());
                     }
-                    return Err(StoreError::new(StoreErrorKind::Fenced));
+                    return match self.held(id, token, attempts.end).await? {
+                        Some((true, state)) if state != IN_PROGRESS => Ok(()),
+                        _ => Err(StoreError::new(StoreErrorKind::Fenced)),
+                    };
                 }
                 Err(f) => attempts.after(f).await?,
             }
@@ -1185,19 +1542,23 @@ impl IdempotencyStore for PostgresStore {
         let params: [&(dyn ToSql + Sync); 3] = [&id.as_bytes().as_slice(), &generation, &nonce];
         let mut attempts = Attempts::new(self, false);
         loop {
-            match self.attempt(&self.sql.release, &params).await {
+            let deadline = attempts.deadline()?;
+            match self.attempt(&self.sql.release, &params, deadline).await {
                 Ok(rows) => {
                     let row = rows
                         .first()
                         .ok_or_else(|| corrupt(CorruptRow("release returned no row")))?;
                     let applied: bool = column(row, "applied")?;
-                    // Gone already after a lost reply: our first attempt deleted it, or it
-                    // expired; the key is free either way.
+                    // Gone already: an earlier attempt deleted it, or it expired; the key is
+                    // free either way.
                     let present: bool = column(row, "present")?;
-                    if applied || (!present && attempts.uncertain()) {
+                    if applied || !present {
                         return Ok(());
                     }
-                    return Err(StoreError::new(StoreErrorKind::Fenced));
+                    return match self.held(id, token, attempts.end).await? {
+                        None => Ok(()),
+                        Some(_) => Err(StoreError::new(StoreErrorKind::Fenced)),
+                    };
                 }
                 Err(f) => attempts.after(f).await?,
             }
@@ -1296,5 +1657,50 @@ mod tests {
             StoreErrorKind::Corrupt
         );
         assert!(decode_headers(Vec::new()).is_err());
+    }
+
+    #[tokio::test]
+    async fn equal_nonces_with_different_fingerprints_claim_once() {
+        let Some(url) = crate::store::test_backend_url("IDEMPOTENCY_TEST_POSTGRES_URL") else {
+            return;
+        };
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+            % 1_000_000_000;
+        let table = format!("tidem_unit_{}_{nanos}", std::process::id());
+        let store = PostgresStore::connect(&url)
+            .await
+            .unwrap()
+            .with_table(&table)
+            .unwrap();
+        store.migrate().await.unwrap();
+        crate::store::equal_nonces_with_different_fingerprints_claim_once(&store).await;
+        let client = store.pool().get().await.unwrap();
+        client
+            .batch_execute(&format!("DROP TABLE {table}"))
+            .await
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_failed_random_source_fails_the_claim_before_any_io() {
+        // A pool that would never connect: the claim must fail before it tries.
+        let config: tokio_postgres::Config = "host=127.0.0.1 port=1 user=nobody".parse().unwrap();
+        let manager = deadpool_postgres::Manager::new(config, tokio_postgres::NoTls);
+        let pool = Pool::builder(manager).max_size(1).build().unwrap();
+        let store = PostgresStore::new(pool);
+        let id = RecordId::new(None, "k");
+        let fp = Fingerprint::from_bytes([1; 32]);
+        crate::record::FAIL_RANDOM.with(|f| f.set(true));
+        let r = store
+            .claim(&id, &fp, Duration::from_secs(1), Duration::from_secs(1))
+            .await;
+        crate::record::FAIL_RANDOM.with(|f| f.set(false));
+        let e = r.unwrap_err();
+        assert_eq!(e.kind(), StoreErrorKind::Unavailable);
+        let cause = StdError::source(&e).unwrap().to_string();
+        assert!(cause.contains("random"), "{cause}");
     }
 }

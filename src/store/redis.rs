@@ -29,8 +29,9 @@
 //! - **Atomic claims.** Each operation is one Lua script, so it runs alone on the node that holds
 //!   the record. A claim creates the record or returns the existing one in the same call.
 //! - **One round trip per operation.** A new request costs 2 (claim, complete); a replay and a
-//!   conflict cost 1 (the claim returns the record). `get` is 1. With [`with_wait`] each claim
-//!   that wins and each complete is followed by one `WAIT`.
+//!   conflict cost 1 (the claim returns the record). `get` is 1. With [`with_wait`] a claim
+//!   that wins costs one more (a renewal and `WAIT`, pipelined); a complete sends its `WAIT` in
+//!   the same pipeline.
 //! - **Fencing.** `complete`, `extend` and `release` check the token's generation **and** nonce;
 //!   a stale token writes nothing and fails with [`StoreErrorKind::Fenced`].
 //! - **Redis's clock.** Lease deadlines come from `TIME` inside the scripts, and expiry from
@@ -81,6 +82,15 @@
 //! [`StoreErrorKind::Unavailable`] when fewer replicas acknowledged in time (a claim is then
 //! released, best effort). `WAIT` is not consensus: it shrinks the window, it does not close it.
 //!
+//! `WAIT` blocks the connection it is sent on, so the store never sends it on the shared
+//! connection every other call uses: each write that waits (a complete, or a renewal right
+//! after a winning claim, which replicates the claim before it) goes with its `WAIT` as one
+//! pipeline on a connection of its own, from a small pool, to the record's primary. A replay
+//! or a read never waits for someone else's replica. This needs the store to open its own
+//! connections ([`connect`](RedisStoreBuilder::connect),
+//! [`connect_cluster`](RedisStoreBuilder::connect_cluster)); a store
+//! [built](RedisStoreBuilder::build) on your connection sends `WAIT` on that connection.
+//!
 //! # Redis Cluster
 //!
 //! All of a record is one hash, and its key carries the record id as a hash tag, so every
@@ -89,9 +99,9 @@
 //! node and runs it again, for a single node and for a cluster alike. The scripts are also
 //! loaded when the store is built. `WAIT` goes to the primary of the record's slot.
 //!
-//! The cluster client itself resends a command whose connection dropped. A claim is safe to
-//! resend (it is idempotent for its nonce); a `complete` or `release` that had landed answers
-//! `Fenced` the second time, which the layer logs while the record is already right.
+//! The cluster client itself resends a command whose connection dropped. Every script is safe
+//! to resend: a claim is idempotent for its nonce and fingerprint, a `complete` that had landed
+//! answers `Ok` the second time, and so does a `release` that had deleted the record.
 //!
 //! # Requirements
 //!
@@ -129,8 +139,8 @@ use bytes::Bytes;
 
 pub use redis;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::cluster::ClusterClientBuilder;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
+use redis::cluster::{ClusterClient, ClusterClientBuilder};
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{
     MultipleNodeRoutingInfo, Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr,
@@ -189,8 +199,9 @@ local now = now_ms()
 local r = redis.call('HMGET', key, 'v', 'f', 'g', 'n', 'l', 'c')
 if r[1] then
   if r[1] == ARGV[5] and not r[6] then
-    if r[4] == nonce then
-      -- Our own claim, sent again after a lost reply.
+    if r[4] == nonce and r[2] == fp then
+      -- Our own claim, sent again after a lost reply. The fingerprint must match too:
+      -- equal nonces alone never prove it is the same request.
       return {0, tonumber(r[3])}
     end
     if r[2] == fp and tonumber(r[5]) <= now then
@@ -210,30 +221,37 @@ redis.call('PEXPIRE', key, int(math.max(ttl, lease)))
 return {0, 1}
 ";
 
-// The fence shared by complete, extend and release: generation and nonce match, in progress.
-// ARGV[1] generation, ARGV[2] nonce. Replies 0 (fenced, nothing written) when it fails.
+// The fence shared by complete, extend and release: `held` when generation and nonce match.
+// ARGV[1] generation, ARGV[2] nonce. Each script replies 0 (fenced, nothing written) or 1.
 const FENCE: &str = r"
 local key = KEYS[1]
 local r = redis.call('HMGET', key, 'g', 'n', 'c')
-if r[1] ~= ARGV[1] or r[2] ~= ARGV[2] or r[3] then return 0 end
+local held = r[1] == ARGV[1] and r[2] == ARGV[2]
 ";
 
 // ARGV[3] lease ms. The key lives at least one more lease.
 const EXTEND: &str = r"
+if not held or r[3] then return 0 end
 local lease = tonumber(ARGV[3])
 redis.call('HSET', key, 'l', int(now_ms() + lease))
 if redis.call('PTTL', key) < lease then redis.call('PEXPIRE', key, int(lease)) end
 return 1
 ";
 
-// ARGV[3] encoded completion, ARGV[4] ttl ms: retention starts now.
+// ARGV[3] encoded completion, ARGV[4] ttl ms: retention starts now. Completed by this token
+// already: a resend, whose answer is there; done, and the retention is not restarted.
 const COMPLETE: &str = r"
+if not held then return 0 end
+if r[3] then return 1 end
 redis.call('HSET', key, 'c', ARGV[3])
 redis.call('PEXPIRE', key, ARGV[4])
 return 1
 ";
 
+// Absent: released by an earlier attempt, or expired; the key is free either way.
 const RELEASE: &str = r"
+if not r[1] then return 1 end
+if not held or r[3] then return 0 end
 redis.call('DEL', key)
 return 1
 ";
@@ -374,7 +392,7 @@ impl RedisConnection {
     }
 }
 
-/// Why a [`RedisStore`] could not be built.
+/// Why a [`RedisStore`] could not be built. The text names the cause and what to do.
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum SetupError {
@@ -404,7 +422,11 @@ impl fmt::Display for SetupError {
                 .unwrap_or_default()
         };
         match self {
-            SetupError::Redis(_) => f.write_str("could not set up the Redis idempotency store"),
+            SetupError::Redis(e) => write!(
+                f,
+                "could not set up the Redis idempotency store: {}",
+                super::error_chain(e)
+            ),
             SetupError::EvictionPolicy { node, policy } => write!(
                 f,
                 "Redis{} runs maxmemory-policy {policy}, which can evict idempotency records \
@@ -429,14 +451,8 @@ impl fmt::Display for SetupError {
     }
 }
 
-impl StdError for SetupError {
-    fn source(&self) -> Option<&(dyn StdError + 'static)> {
-        match self {
-            SetupError::Redis(e) => Some(e),
-            _ => None,
-        }
-    }
-}
+// The Redis error is part of the text (it names the cause), so it is not a `source` too.
+impl StdError for SetupError {}
 
 impl From<RedisError> for SetupError {
     fn from(e: RedisError) -> Self {
@@ -509,7 +525,9 @@ impl RedisStoreBuilder {
     /// After each winning claim and each complete, waits until `replicas` replicas have the
     /// write, or `timeout` passes (at least 1 ms; `WAIT 0` would block forever). Fewer
     /// acknowledgements fail the call with [`StoreErrorKind::Unavailable`] and a
-    /// [`ReplicationShortfall`] source. Costs one more round trip per write. Off by default.
+    /// [`ReplicationShortfall`] source. A winning claim costs one more round trip; `WAIT` runs
+    /// on a connection of its own, never holding up other calls (see
+    /// [durability](self#durability-aof-replication-and-wait)). Off by default.
     #[must_use]
     pub fn with_wait(mut self, replicas: NonZeroU32, timeout: Duration) -> Self {
         self.wait = Some((replicas, timeout.max(Duration::from_millis(1))));
@@ -526,7 +544,8 @@ impl RedisStoreBuilder {
 
     /// How long one Redis call may take before its outcome counts as unknown and is read back
     /// (default 1 s). [`connect`](Self::connect) also sets it as the connection's response
-    /// timeout (plus the `WAIT` timeout when set).
+    /// timeout (plus the `WAIT` timeout when set), and as the connect timeout: with nothing
+    /// listening at the URL, `connect` fails within it, naming the cause.
     #[must_use]
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
@@ -537,13 +556,34 @@ impl RedisStoreBuilder {
     /// checks its eviction policy and loads the scripts.
     pub async fn connect(self, url: &str) -> Result<RedisStore, SetupError> {
         let client = redis::Client::open(url)?;
+        // One plain attempt first, bounded by the timeout: its error is the real cause (the
+        // connection manager would retry with backoff for seconds, then report less).
+        let probe = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(self.timeout))
+            .set_response_timeout(Some(self.timeout));
+        drop(
+            client
+                .get_multiplexed_async_connection_with_config(&probe)
+                .await?,
+        );
         let config = ConnectionManagerConfig::new()
             .set_response_timeout(Some(self.response_timeout()))
             .set_connection_timeout(Some(self.timeout))
             // Reconnect attempts back off to at most 1 s, so a restarted Redis is found soon.
             .set_max_delay(Duration::from_secs(1));
-        let conn = ConnectionManager::new_with_config(client, config).await?;
-        self.build(conn).await
+        let conn = tokio::time::timeout(
+            self.timeout,
+            ConnectionManager::new_with_config(client.clone(), config),
+        )
+        .await
+        .map_err(|_| {
+            RedisError::from(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("no connection within {:?}", self.timeout),
+            ))
+        })??;
+        self.build_with(conn.into(), Some(Source::Single(client)))
+            .await
     }
 
     /// Connects to the Redis Cluster that `nodes` belong to (any subset of its nodes, as
@@ -559,16 +599,29 @@ impl RedisStoreBuilder {
             .connection_timeout(self.timeout)
             .build()?;
         let conn = client.get_async_connection().await?;
-        self.build(conn).await
+        self.build_with(conn.into(), Some(Source::Cluster(client)))
+            .await
     }
 
     /// Builds the store on an existing connection: checks the eviction policy (unless turned
     /// off) and loads the scripts.
+    ///
+    /// With [`with_wait`](Self::with_wait), a store built here sends `WAIT` on `conn` itself,
+    /// where it holds up every other call on that connection until replicas answer; use
+    /// [`connect`](Self::connect) or [`connect_cluster`](Self::connect_cluster), which send
+    /// each write and its `WAIT` on a connection of their own.
     pub async fn build(self, conn: impl Into<RedisConnection>) -> Result<RedisStore, SetupError> {
+        self.build_with(conn.into(), None).await
+    }
+
+    async fn build_with(
+        self,
+        conn: RedisConnection,
+        source: Option<Source>,
+    ) -> Result<RedisStore, SetupError> {
         if self.prefix.contains(['{', '}']) {
             return Err(SetupError::KeyPrefix(self.prefix));
         }
-        let conn = conn.into();
         if self.eviction_guard {
             check_eviction_policy(&conn).await?;
         }
@@ -583,9 +636,19 @@ impl RedisStoreBuilder {
                 RedisConnection::Cluster(c) => load.query_async::<()>(&mut c.clone()).await?,
             }
         }
+        let dedicated = match (self.wait, source) {
+            (Some(_), Some(source)) => Some(Dedicated {
+                source,
+                timeout: self.timeout,
+                response_timeout: self.response_timeout(),
+                idle: std::sync::Mutex::new(Vec::new()),
+            }),
+            _ => None,
+        };
         Ok(RedisStore {
             inner: Arc::new(Inner {
                 conn,
+                dedicated,
                 prefix: self.prefix,
                 wait: self.wait,
                 timeout: self.timeout,
@@ -653,6 +716,95 @@ fn policy_from_info(v: &Value) -> Option<String> {
         .map(|p| p.trim().to_owned())
 }
 
+/// Where dedicated connections come from. Built once per store: its size does not matter.
+#[allow(clippy::large_enum_variant)]
+enum Source {
+    Single(redis::Client),
+    Cluster(ClusterClient),
+}
+
+/// A connection only one call uses at a time.
+enum DedicatedConn {
+    Single(MultiplexedConnection),
+    Cluster(ClusterConnection),
+}
+
+/// Idle connections kept for the next write that waits for replicas.
+const DEDICATED_IDLE: usize = 8;
+
+/// A small pool of connections for a write and its `WAIT`.
+///
+/// `WAIT` blocks the connection it is sent on until replicas acknowledge that connection's
+/// writes, so on the shared, multiplexed connection it would hold up every other call (a
+/// replay would wait for someone else's replica). Each write that is followed by `WAIT` takes
+/// a connection of its own instead, sends both as one pipeline, and gives it back. Connections
+/// are opened on demand (a burst opens more) and at most [`DEDICATED_IDLE`] are kept idle.
+struct Dedicated {
+    source: Source,
+    timeout: Duration,
+    response_timeout: Duration,
+    idle: std::sync::Mutex<Vec<DedicatedConn>>,
+}
+
+impl Dedicated {
+    async fn take(&self) -> Result<DedicatedConn, RedisError> {
+        let idle = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        if let Some(conn) = idle {
+            return Ok(conn);
+        }
+        match &self.source {
+            Source::Single(client) => {
+                let config = redis::AsyncConnectionConfig::new()
+                    .set_connection_timeout(Some(self.timeout))
+                    .set_response_timeout(Some(self.response_timeout));
+                let conn = client
+                    .get_multiplexed_async_connection_with_config(&config)
+                    .await?;
+                Ok(DedicatedConn::Single(conn))
+            }
+            Source::Cluster(client) => {
+                Ok(DedicatedConn::Cluster(client.get_async_connection().await?))
+            }
+        }
+    }
+
+    /// Returns a connection whose last call ended cleanly.
+    fn give(&self, conn: DedicatedConn) {
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        if idle.len() < DEDICATED_IDLE {
+            idle.push(conn);
+        }
+    }
+}
+
+impl DedicatedConn {
+    /// Sends `pipe` to the node holding `key`; a command's error is its reply.
+    async fn send(&mut self, pipe: &redis::Pipeline, key: &str) -> Result<Vec<Value>, RedisError> {
+        match self {
+            DedicatedConn::Single(c) => pipe.query_async(c).await,
+            DedicatedConn::Cluster(c) => {
+                let route = Route::with_key(key, SlotAddr::Master);
+                c.route_pipeline(
+                    pipe.clone(),
+                    0,
+                    pipe.len(),
+                    SingleNodeRoutingInfo::SpecificNode(route),
+                )
+                .await
+            }
+        }
+    }
+
+    async fn load(&mut self, code: &str) -> Result<(), RedisError> {
+        let mut load = redis::cmd("SCRIPT");
+        load.arg("LOAD").arg(code);
+        match self {
+            DedicatedConn::Single(c) => load.query_async(c).await,
+            DedicatedConn::Cluster(c) => load.query_async(c).await,
+        }
+    }
+}
+
 /// An [`IdempotencyStore`] on Redis or Redis Cluster. Cloning shares the connection.
 ///
 /// See the [module docs](self) for what it guarantees and how to run Redis for it.
@@ -663,6 +815,9 @@ pub struct RedisStore {
 
 struct Inner {
     conn: RedisConnection,
+    /// Connections for writes followed by `WAIT`, when `WAIT` is on and the store made its
+    /// own connection.
+    dedicated: Option<Dedicated>,
     prefix: String,
     wait: Option<(NonZeroU32, Duration)>,
     timeout: Duration,
@@ -727,6 +882,35 @@ impl RedisStore {
         parse_read(self.eval(&inv).await?).map_err(Failure::Certain)
     }
 
+    /// Makes sure replicas have a claim this store just won, when `WAIT` is on. On a dedicated
+    /// connection that is a renewal of the claim followed by `WAIT`: replication is in order,
+    /// so replicas that have the renewal have the claim before it.
+    async fn replicate_claim(
+        &self,
+        key: &str,
+        token: &Token,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
+        let (Some(dedicated), Some(wait)) = (&self.inner.dedicated, self.inner.wait) else {
+            return self.replicate(key).await;
+        };
+        let (generation, lease) = (token.generation().to_string(), millis(lease).to_string());
+        let args: [&[u8]; 3] = [generation.as_bytes(), &token.nonce()[..], lease.as_bytes()];
+        match self
+            .write_and_wait(dedicated, &self.inner.scripts.extend, key, &args, wait)
+            .await
+        {
+            Ok((Value::Int(1), acked)) => shortfall(acked, wait.0),
+            // Released or expired in between: the claim is not ours to report.
+            Ok((Value::Int(0), _)) => Err(StoreError::with_source(
+                StoreErrorKind::Unavailable,
+                BadReply("the claim was gone before replicas confirmed it"),
+            )),
+            Ok(_) => Err(corrupt("extend script reply")),
+            Err(f) => Err(f.into_error()),
+        }
+    }
+
     /// Sends `WAIT` when configured; fewer replicas than asked for is an error.
     async fn replicate(&self, key: &str) -> Result<(), StoreError> {
         let Some((wanted, timeout)) = self.inner.wait else {
@@ -751,6 +935,57 @@ impl RedisStore {
             ));
         }
         Ok(())
+    }
+
+    /// Runs the script `lua` with `args` on `key`, then `WAIT`, as one pipeline on a dedicated
+    /// connection: the script's reply, and how many replicas acknowledged it.
+    async fn write_and_wait(
+        &self,
+        dedicated: &Dedicated,
+        lua: &Lua,
+        key: &str,
+        args: &[&[u8]],
+        (wanted, wait): (NonZeroU32, Duration),
+    ) -> Result<(Value, u64), Failure> {
+        let mut eval = redis::cmd("EVALSHA");
+        eval.arg(lua.script.get_hash()).arg(1).arg(key);
+        for a in args {
+            eval.arg(*a);
+        }
+        let mut pipe = redis::pipe();
+        pipe.ignore_errors()
+            .add_command(eval)
+            .cmd("WAIT")
+            .arg(wanted.get())
+            .arg(millis(wait));
+        let call = async {
+            let mut conn = dedicated.take().await.map_err(Failure::from_redis)?;
+            let mut replies = conn.send(&pipe, key).await.map_err(Failure::from_redis)?;
+            if matches!(replies.first(), Some(Value::ServerError(e)) if e.code() == "NOSCRIPT") {
+                // A fresh node, or SCRIPT FLUSH: load it here and send once more (the failed
+                // EVALSHA wrote nothing).
+                conn.load(&lua.code).await.map_err(Failure::from_redis)?;
+                replies = conn.send(&pipe, key).await.map_err(Failure::from_redis)?;
+            }
+            dedicated.give(conn);
+            Ok(replies)
+        };
+        let replies = match tokio::time::timeout(self.inner.timeout + wait, call).await {
+            Ok(r) => r?,
+            Err(elapsed) => return Err(Failure::Uncertain(Box::new(elapsed))),
+        };
+        let [reply, acked]: [Value; 2] = replies
+            .try_into()
+            .map_err(|_| Failure::Certain(corrupt("pipeline reply count")))?;
+        let reply = match reply {
+            Value::ServerError(e) => return Err(Failure::from_redis(e.into())),
+            v => v,
+        };
+        let acked = match acked {
+            Value::Int(n) => u64::try_from(n).unwrap_or(0),
+            _ => return Err(Failure::Certain(corrupt("WAIT reply is not an integer"))),
+        };
+        Ok((reply, acked))
     }
 
     /// Runs a fenced script (complete, extend, release) that answers 1 (done) or 0 (fenced).
@@ -781,6 +1016,20 @@ impl RedisStore {
         }
         Err(unknown(lost))
     }
+}
+
+/// `Ok` when `acknowledged` replicas are enough, else [`ReplicationShortfall`].
+fn shortfall(acknowledged: u64, wanted: NonZeroU32) -> Result<(), StoreError> {
+    if acknowledged < u64::from(wanted.get()) {
+        return Err(StoreError::with_source(
+            StoreErrorKind::Unavailable,
+            ReplicationShortfall {
+                acknowledged,
+                wanted: wanted.get(),
+            },
+        ));
+    }
+    Ok(())
 }
 
 /// A record as a script read it.
@@ -964,7 +1213,7 @@ impl IdempotencyStore for RedisStore {
     ) -> Result<ClaimOutcome, StoreError> {
         let key = self.key(id);
         // The nonce is made here, so a claim whose reply is lost can be recognised.
-        let nonce = *Token::new(0).nonce();
+        let nonce = *Token::generate(0)?.nonce();
         let mut inv = self.inner.scripts.claim.script.key(&key);
         inv.arg(&fingerprint.as_bytes()[..])
             .arg(&nonce[..])
@@ -977,7 +1226,11 @@ impl IdempotencyStore for RedisStore {
                 Ok(v) => parse_claim(v, nonce)?,
                 Err(Failure::Certain(e)) => return Err(e),
                 Err(Failure::Uncertain(e)) => match self.read(&key, &nonce).await {
-                    Ok(Some(found)) if found.mine && !found.completed() => {
+                    Ok(Some(found))
+                        if found.mine
+                            && !found.completed()
+                            && found.record.fingerprint == *fingerprint =>
+                    {
                         claimed(found.record.generation, nonce)
                     }
                     Ok(Some(found)) => ClaimOutcome::Existing(found.record),
@@ -991,7 +1244,7 @@ impl IdempotencyStore for RedisStore {
                 },
             };
             if let ClaimOutcome::Claimed(claim) = &outcome {
-                if let Err(e) = self.replicate(&key).await {
+                if let Err(e) = self.replicate_claim(&key, &claim.token, lease).await {
                     // Not durable: give the key back so a retry need not wait out the lease.
                     let _ = self.release(id, &claim.token).await;
                     return Err(e);
@@ -1029,10 +1282,43 @@ impl IdempotencyStore for RedisStore {
         ttl: Duration,
     ) -> Result<(), StoreError> {
         let key = self.key(id);
+        let encoded = completion.encode();
+        if let (Some(dedicated), Some(wait)) = (&self.inner.dedicated, self.inner.wait) {
+            let (generation, ttl) = (token.generation().to_string(), millis(ttl).to_string());
+            let args: [&[u8]; 4] = [
+                generation.as_bytes(),
+                &token.nonce()[..],
+                &encoded,
+                ttl.as_bytes(),
+            ];
+            let mut lost = None;
+            for _ in 0..2 {
+                let scripts = &self.inner.scripts;
+                match self
+                    .write_and_wait(dedicated, &scripts.complete, &key, &args, wait)
+                    .await
+                {
+                    Ok((Value::Int(1), acked)) => return shortfall(acked, wait.0),
+                    Ok((Value::Int(0), _)) => return Err(StoreError::new(StoreErrorKind::Fenced)),
+                    Ok(_) => return Err(corrupt("complete script reply")),
+                    Err(Failure::Certain(e)) => return Err(e),
+                    Err(Failure::Uncertain(e)) => match self.read(&key, token.nonce()).await {
+                        // It landed, but whether replicas have it is not known.
+                        Ok(Some(f)) if f.held_by(token) && f.completed() => {
+                            return Err(StoreError::with_source(StoreErrorKind::Unknown, e))
+                        }
+                        Ok(Some(f)) if f.held_by(token) => lost = Some(e),
+                        Ok(_) => return Err(StoreError::new(StoreErrorKind::Fenced)),
+                        Err(_) => return Err(StoreError::with_source(StoreErrorKind::Unknown, e)),
+                    },
+                }
+            }
+            return Err(unknown(lost));
+        }
         let mut inv = self.inner.scripts.complete.script.key(&key);
         inv.arg(token.generation())
             .arg(&token.nonce()[..])
-            .arg(completion.encode())
+            .arg(encoded)
             .arg(millis(ttl));
         self.fenced(&key, token, &inv, |found| match found {
             Some(f) if f.held_by(token) && f.completed() => Some(Ok(())),
@@ -1221,5 +1507,24 @@ mod tests {
             msg.contains("CONFIG SET maxmemory-policy noeviction"),
             "{msg}"
         );
+    }
+
+    #[tokio::test]
+    async fn equal_nonces_with_different_fingerprints_claim_once() {
+        let Some(url) = crate::store::test_backend_url("IDEMPOTENCY_TEST_REDIS_URL") else {
+            return;
+        };
+        let prefix = format!(
+            "tidem-unit-{}-{:?}:",
+            std::process::id(),
+            std::time::Instant::now()
+        );
+        let prefix = prefix.replace(['{', '}'], "");
+        let store = RedisStore::builder()
+            .with_key_prefix(prefix)
+            .connect(&url)
+            .await
+            .unwrap();
+        crate::store::equal_nonces_with_different_fingerprints_claim_once(&store).await;
     }
 }

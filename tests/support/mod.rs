@@ -153,3 +153,182 @@ where
 pub fn counting() -> Arc<CountingStore> {
     Arc::new(CountingStore::default())
 }
+
+/// A store call [`FaultStore`] can break.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Op {
+    Claim,
+    Extend,
+    Complete,
+    Release,
+    Get,
+}
+
+/// What [`FaultStore`] does to one call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Never returns, and never takes effect.
+    Hang,
+    /// Takes effect, then never returns.
+    ApplyThenHang,
+    /// Waits, then takes effect and returns.
+    Delay(Duration),
+    /// Takes effect at once; the reply comes this much later.
+    ReplyLate(Duration),
+    /// Fails without taking effect.
+    Fail,
+    /// Takes effect, then fails: a lost reply.
+    ApplyThenFail,
+}
+
+#[derive(Debug)]
+struct Rule {
+    op: Op,
+    /// 1-based call numbers this rule covers, `first..=last`.
+    first: usize,
+    last: usize,
+    fault: Fault,
+}
+
+/// Wraps a real store and breaks chosen calls: hangs, delays, failures, lost replies.
+/// Records when each call started, so tests can check the layer's schedule.
+#[derive(Debug)]
+pub struct FaultStore<S = MemoryStore> {
+    pub inner: S,
+    rules: std::sync::Mutex<Vec<Rule>>,
+    calls: std::sync::Mutex<Vec<(Op, tokio::time::Instant)>>,
+}
+
+impl<S: IdempotencyStore> FaultStore<S> {
+    pub fn new(inner: S) -> Arc<Self> {
+        Arc::new(Self {
+            inner,
+            rules: Default::default(),
+            calls: Default::default(),
+        })
+    }
+
+    /// Breaks the `nth` call (1-based, counted from the store's creation) of `op`.
+    pub fn on(&self, op: Op, nth: usize, fault: Fault) {
+        self.on_range(op, nth, nth, fault);
+    }
+
+    /// Breaks every call of `op` from the next one on.
+    pub fn on_all(&self, op: Op, fault: Fault) {
+        let next = self.calls(op) + 1;
+        self.on_range(op, next, usize::MAX, fault);
+    }
+
+    fn on_range(&self, op: Op, first: usize, last: usize, fault: Fault) {
+        self.rules.lock().unwrap().push(Rule {
+            op,
+            first,
+            last,
+            fault,
+        });
+    }
+
+    /// Heals every call from now on.
+    pub fn heal(&self) {
+        self.rules.lock().unwrap().clear();
+    }
+
+    pub fn calls(&self, op: Op) -> usize {
+        self.calls
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(o, _)| *o == op)
+            .count()
+    }
+
+    /// When each call of `op` started.
+    pub fn started(&self, op: Op) -> Vec<tokio::time::Instant> {
+        let calls = self.calls.lock().unwrap();
+        calls
+            .iter()
+            .filter(|(o, _)| *o == op)
+            .map(|(_, t)| *t)
+            .collect()
+    }
+
+    async fn run<T>(
+        &self,
+        op: Op,
+        call: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let fault = {
+            let mut calls = self.calls.lock().unwrap();
+            calls.push((op, tokio::time::Instant::now()));
+            let n = calls.iter().filter(|(o, _)| *o == op).count();
+            let rules = self.rules.lock().unwrap();
+            rules
+                .iter()
+                .rev()
+                .find(|r| r.op == op && (r.first..=r.last).contains(&n))
+                .map(|r| r.fault)
+        };
+        let injected = || StoreError::with_source(StoreErrorKind::Unavailable, "injected fault");
+        match fault {
+            None => call.await,
+            Some(Fault::Hang) => std::future::pending().await,
+            Some(Fault::ApplyThenHang) => {
+                let _ = call.await;
+                std::future::pending().await
+            }
+            Some(Fault::Delay(d)) => {
+                tokio::time::sleep(d).await;
+                call.await
+            }
+            Some(Fault::ReplyLate(d)) => {
+                let out = call.await;
+                tokio::time::sleep(d).await;
+                out
+            }
+            Some(Fault::Fail) => Err(injected()),
+            Some(Fault::ApplyThenFail) => {
+                let _ = call.await;
+                Err(injected())
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl<S: IdempotencyStore> IdempotencyStore for FaultStore<S> {
+    async fn claim(
+        &self,
+        id: &RecordId,
+        fp: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<ClaimOutcome, StoreError> {
+        self.run(Op::Claim, self.inner.claim(id, fp, lease, ttl))
+            .await
+    }
+    async fn extend(
+        &self,
+        id: &RecordId,
+        token: &Token,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
+        self.run(Op::Extend, self.inner.extend(id, token, lease))
+            .await
+    }
+    async fn complete(
+        &self,
+        id: &RecordId,
+        token: &Token,
+        c: &Completion,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        self.run(Op::Complete, self.inner.complete(id, token, c, ttl))
+            .await
+    }
+    async fn release(&self, id: &RecordId, token: &Token) -> Result<(), StoreError> {
+        self.run(Op::Release, self.inner.release(id, token)).await
+    }
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        self.run(Op::Get, self.inner.get(id)).await
+    }
+}

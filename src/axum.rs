@@ -1,0 +1,66 @@
+//! axum integration (feature `axum`): the context as an extractor, and the original URI of
+//! a request inside nested routers.
+
+use std::convert::Infallible;
+use std::fmt;
+
+use axum::extract::{FromRequestParts, OptionalFromRequestParts, OriginalUri};
+use axum::response::{IntoResponse, Response};
+use http::request::Parts;
+use http::{StatusCode, Uri};
+
+use crate::IdempotencyContext;
+
+/// The URI the client sent. axum's `Router::nest` strips the prefix from the URI that
+/// inner routes (and a layer on them) see, and keeps the original in `OriginalUri`.
+#[allow(dead_code)] // wired in with the fingerprint change
+pub(crate) fn original_uri(parts: &Parts) -> &Uri {
+    parts
+        .extensions
+        .get::<OriginalUri>()
+        .map_or(&parts.uri, |o| &o.0)
+}
+
+/// `IdempotencyContext` as an axum extractor: a keyed request the layer runs has one.
+///
+/// Use `Option<IdempotencyContext>` on routes where the key is optional.
+impl<S: Send + Sync> FromRequestParts<S> for IdempotencyContext {
+    type Rejection = MissingIdempotencyContext;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+        parts
+            .extensions
+            .get::<IdempotencyContext>()
+            .cloned()
+            .ok_or(MissingIdempotencyContext)
+    }
+}
+
+impl<S: Send + Sync> OptionalFromRequestParts<S> for IdempotencyContext {
+    type Rejection = Infallible;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Option<Self>, Infallible> {
+        Ok(parts.extensions.get::<IdempotencyContext>().cloned())
+    }
+}
+
+/// The rejection of the [`IdempotencyContext`] extractor: the handler runs without the
+/// layer in front of it (the route is not wrapped, the method or the filter let the request
+/// pass, or the key was optional and absent). A server bug, so 500.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MissingIdempotencyContext;
+
+impl fmt::Display for MissingIdempotencyContext {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("no IdempotencyContext: IdempotencyLayer does not run before this handler for this request (add it with `.layer()` on the route or router, and check its methods and filter)")
+    }
+}
+
+impl std::error::Error for MissingIdempotencyContext {}
+
+impl IntoResponse for MissingIdempotencyContext {
+    fn into_response(self) -> Response {
+        tracing::error!("{self}");
+        (StatusCode::INTERNAL_SERVER_ERROR, self.to_string()).into_response()
+    }
+}
