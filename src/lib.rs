@@ -10,8 +10,9 @@
 //! untouched, with no buffering and no store call) the layer:
 //!
 //! 1. reads the key (a bare token or an RFC 8941 string, 1 to 255 visible ASCII characters);
-//! 2. buffers the body (up to 1 MiB) and fingerprints method, path and canonical body
-//!    (RFC 8785 JSON, sorted form pairs, or raw bytes);
+//! 2. buffers the body (up to 1 MiB) and fingerprints method, path, media type,
+//!    `Content-Encoding` and canonical body (RFC 8785 JSON with exact numbers, form pairs
+//!    sorted by name, or raw bytes);
 //! 3. claims the key in one atomic store operation;
 //! 4. runs the inner service on its own task, renewing its lease, so a client that hangs up
 //!    cannot cancel the work halfway;
@@ -355,11 +356,16 @@ pub mod security {}
 #[doc = include_str!("docs/guarantees.md")]
 pub mod guarantees {}
 
-/// Not public API: hooks for the benchmarks.
+/// Not public API: hooks for the benchmarks and the fuzz target (`fuzz/`).
 #[doc(hidden)]
 pub mod __bench {
     /// The RFC 8785 canonicaliser the fingerprint uses.
     pub fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
         crate::fingerprint::canonical_json(body, &[])
+    }
+
+    /// SHA-256 of the canonical JSON form of `body`, as the fingerprint computes it.
+    pub fn canonical_json_digest(body: &[u8]) -> Option<[u8; 32]> {
+        crate::fingerprint::canonical_json_digest(body)
     }
 }

@@ -110,7 +110,13 @@ impl fmt::Display for RecordId {
     }
 }
 
-/// The `v1` SHA-256 fingerprint of a request: method, path, canonical body and chosen headers.
+/// The `v1` SHA-256 fingerprint of a request: method, path and query, media type with its
+/// parameters, `Content-Encoding`, canonical body (RFC 8785 JSON with exact numbers, form
+/// pairs sorted stably by name, or raw bytes) and chosen headers.
+///
+/// `v1` is the first fingerprint any release computes; a release that changes what it
+/// covers or how bumps the version, and [`Display`](fmt::Display) prints it (`v1:` and 64
+/// hex digits).
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Fingerprint([u8; 32]);
 

@@ -303,7 +303,7 @@ impl Flow {
         };
 
         // 4. Fingerprint. 5. Record id: the store never sees the raw key.
-        let fp = fingerprint(&parts, &bytes, &self.cfg.fingerprint);
+        let fp = fingerprint(&parts, &parts.uri, &bytes, &self.cfg.fingerprint);
         let id = RecordId::new(scope.as_deref(), &self.key);
         let span = tracing::info_span!(
             "idempotency",
