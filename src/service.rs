@@ -303,7 +303,12 @@ impl Flow {
         };
 
         // 4. Fingerprint. 5. Record id: the store never sees the raw key.
-        let fp = fingerprint(&parts, &parts.uri, &bytes, &self.cfg.fingerprint);
+        // The path the client sent: inside axum's nested routers `parts.uri` lost its prefix.
+        #[cfg(feature = "axum")]
+        let target = crate::axum::original_uri(&parts);
+        #[cfg(not(feature = "axum"))]
+        let target = &parts.uri;
+        let fp = fingerprint(&parts, target, &bytes, &self.cfg.fingerprint);
         let id = RecordId::new(scope.as_deref(), &self.key);
         let span = tracing::info_span!(
             "idempotency",

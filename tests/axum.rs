@@ -244,6 +244,46 @@ fn named(name: &'static str, calls: Arc<AtomicUsize>) -> axum::routing::MethodRo
 }
 
 #[tokio::test]
+async fn nested_routers_keep_endpoints_apart_by_the_path_the_client_sent() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let layer = IdempotencyLayer::new(MemoryStore::new()).unscoped();
+    let app = Router::new()
+        .nest(
+            "/v1",
+            Router::new()
+                .route("/orders", named("v1", calls.clone()))
+                .layer(layer.clone()),
+        )
+        .nest(
+            "/refunds",
+            Router::new()
+                .route("/orders", named("refunds", calls.clone()))
+                .layer(layer),
+        );
+    let res = app
+        .clone()
+        .oneshot(req("/v1/orders", Some("k"), "{}"))
+        .await
+        .unwrap();
+    assert_eq!(body_bytes(res).await, "v1");
+    // Both inner routers see `/orders`; the fingerprint must see where the client sent it.
+    let res = app
+        .oneshot(req("/refunds/orders", Some("k"), "{}"))
+        .await
+        .unwrap();
+    assert_eq!(
+        res.status(),
+        422,
+        "another endpoint under the same key is a mismatch"
+    );
+    assert_eq!(
+        res.extensions().get::<IdempotencyError>().unwrap().kind(),
+        ErrorKind::Mismatch
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
 async fn a_filter_exempts_a_webhook_route_from_a_router_wide_layer() {
     let calls = Arc::new(AtomicUsize::new(0));
     let layer = IdempotencyLayer::new(MemoryStore::new())
