@@ -75,6 +75,7 @@ fn layer(c: &mut Criterion) {
     g.measurement_time(Duration::from_secs(5));
     let bare = service_fn(handler::<Full<Bytes>>);
     let svc = IdempotencyLayer::new(MemoryStore::new())
+        .unscoped()
         .layer(service_fn(handler::<RequestBody<Full<Bytes>>>));
 
     g.bench_function("bare_handler_post", |b| {

@@ -128,8 +128,9 @@ impl Table {
 }
 
 async fn layer_rows(table: &mut Table, label: &str, store: Arc<dyn IdempotencyStore>) {
-    let svc =
-        IdempotencyLayer::from_arc(store).layer(service_fn(handler::<RequestBody<Full<Bytes>>>));
+    let svc = IdempotencyLayer::from_arc(store)
+        .unscoped()
+        .layer(service_fn(handler::<RequestBody<Full<Bytes>>>));
     let run = format!(
         "{}-{}",
         std::process::id(),

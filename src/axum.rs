@@ -13,7 +13,6 @@ use crate::IdempotencyContext;
 
 /// The URI the client sent. axum's `Router::nest` strips the prefix from the URI that
 /// inner routes (and a layer on them) see, and keeps the original in `OriginalUri`.
-#[allow(dead_code)] // wired in with the fingerprint change
 pub(crate) fn original_uri(parts: &Parts) -> &Uri {
     parts
         .extensions

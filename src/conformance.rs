@@ -350,6 +350,37 @@ pub async fn release_frees_the_key(store: DynStore) {
     }
 }
 
+/// `claim_in_scope` is `claim` for one scope's record: the same record, the same fencing.
+/// A store with per-scope quotas overrides it, and must keep this.
+pub async fn claim_in_scope_claims_the_same_record(store: DynStore) {
+    let id = unique_id("in-scope");
+    let scope = crate::ScopeId::new(Some("conformance-scope"));
+    let token = match store
+        .claim_in_scope(&scope, &id, &fp(4), LEASE, TTL)
+        .await
+        .unwrap()
+    {
+        ClaimOutcome::Claimed(c) => c.token,
+        other => panic!("a new key must be claimed, got {other:?}"),
+    };
+    match store.claim(&id, &fp(4), LEASE, TTL).await.unwrap() {
+        ClaimOutcome::Existing(r) => assert_eq!(r.generation, token.generation()),
+        other => panic!("claim must see the scoped claim, got {other:?}"),
+    }
+    store
+        .complete(&id, &token, &response(201, "scoped"), TTL)
+        .await
+        .unwrap();
+    match store
+        .claim_in_scope(&scope, &id, &fp(4), LEASE, TTL)
+        .await
+        .unwrap()
+    {
+        ClaimOutcome::Existing(r) => assert!(matches!(r.state, RecordState::Completed(_))),
+        other => panic!("a completed record must be returned, got {other:?}"),
+    }
+}
+
 /// `extend` keeps a short lease from lapsing.
 pub async fn extend_keeps_the_lease_alive(store: DynStore) {
     let id = unique_id("extend");
@@ -941,6 +972,7 @@ where
         lapsed_lease_is_taken_over_with_a_greater_generation,
         stale_tokens_change_nothing,
         release_frees_the_key,
+        claim_in_scope_claims_the_same_record,
         extend_keeps_the_lease_alive,
         ttl_expiry_makes_the_key_new,
         completed_records_are_not_taken_over_after_the_lease,
@@ -991,6 +1023,7 @@ macro_rules! conformance_suite {
             lapsed_lease_is_taken_over_with_a_greater_generation,
             stale_tokens_change_nothing,
             release_frees_the_key,
+            claim_in_scope_claims_the_same_record,
             extend_keeps_the_lease_alive,
             ttl_expiry_makes_the_key_new,
             completed_records_are_not_taken_over_after_the_lease,

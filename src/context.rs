@@ -30,7 +30,6 @@ pub struct IdempotencyContext {
     token: Token,
     /// The layer's settings: the TTL and the rule for recorded headers.
     config: Arc<Config>,
-    grpc: bool,
 }
 
 impl fmt::Debug for IdempotencyContext {
@@ -51,7 +50,6 @@ impl IdempotencyContext {
         fingerprint: Fingerprint,
         token: Token,
         config: Arc<Config>,
-        grpc: bool,
     ) -> Self {
         Self {
             key,
@@ -60,7 +58,6 @@ impl IdempotencyContext {
             fingerprint,
             token,
             config,
-            grpc,
         }
     }
 
@@ -76,7 +73,7 @@ impl IdempotencyContext {
     pub fn completion(&self, response: &Response<Bytes>) -> Completion {
         Completion::Response(StoredResponse {
             status: response.status(),
-            headers: self.config.recorded_headers(self.grpc, response.headers()),
+            headers: self.config.recorded_headers(response.headers()),
             body: response.body().clone(),
             trailers: None,
         })
@@ -140,7 +137,6 @@ mod tests {
             Fingerprint::from_bytes([0; 32]),
             Token::from_parts(generation, [7; 16]),
             layer.config,
-            false,
         )
     }
 

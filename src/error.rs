@@ -21,6 +21,8 @@ pub enum ErrorKind {
     BodyTooLarge,
     /// The request body could not be read. HTTP 400.
     BodyUnreadable,
+    /// The request body did not arrive within the request body timeout. HTTP 408.
+    BodyTimeout,
     /// The first request with this key is still running. HTTP 409, with `Retry-After`.
     InProgress,
     /// The key was used before with a different request. HTTP 422.
@@ -29,6 +31,8 @@ pub enum ErrorKind {
     StoreUnavailable,
     /// The original request completed, but its response was too large to keep. HTTP 410.
     ResponseNotRetained,
+    /// The scope is over the store's per-scope quota. HTTP 429.
+    QuotaExceeded,
     /// The scope function found no scope: the layer runs before the one that sets it. HTTP 500.
     ScopeMissing,
 }
@@ -41,11 +45,13 @@ impl ErrorKind {
                 StatusCode::BAD_REQUEST
             }
             ErrorKind::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ErrorKind::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             ErrorKind::InProgress => StatusCode::CONFLICT,
             ErrorKind::Mismatch => StatusCode::UNPROCESSABLE_ENTITY,
             ErrorKind::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             ErrorKind::ResponseNotRetained => StatusCode::GONE,
             ErrorKind::ScopeMissing => StatusCode::INTERNAL_SERVER_ERROR,
+            ErrorKind::QuotaExceeded => StatusCode::TOO_MANY_REQUESTS,
         }
     }
 
@@ -56,11 +62,13 @@ impl ErrorKind {
             ErrorKind::KeyInvalid => "key-invalid",
             ErrorKind::BodyTooLarge => "body-too-large",
             ErrorKind::BodyUnreadable => "body-unreadable",
+            ErrorKind::BodyTimeout => "body-timeout",
             ErrorKind::InProgress => "in-progress",
             ErrorKind::Mismatch => "key-reused",
             ErrorKind::StoreUnavailable => "store-unavailable",
             ErrorKind::ResponseNotRetained => "response-not-retained",
             ErrorKind::ScopeMissing => "scope-missing",
+            ErrorKind::QuotaExceeded => "quota-exceeded",
         }
     }
 
@@ -78,11 +86,13 @@ impl ErrorKind {
             ErrorKind::KeyInvalid => "Idempotency key invalid",
             ErrorKind::BodyTooLarge => "Request body too large",
             ErrorKind::BodyUnreadable => "Request body unreadable",
+            ErrorKind::BodyTimeout => "Request body timed out",
             ErrorKind::InProgress => "Request in progress",
             ErrorKind::Mismatch => "Idempotency key reused",
             ErrorKind::StoreUnavailable => "Idempotency store unavailable",
             ErrorKind::ResponseNotRetained => "Original response not retained",
             ErrorKind::ScopeMissing => "Idempotency scope missing",
+            ErrorKind::QuotaExceeded => "Idempotency quota exceeded",
         }
     }
 }

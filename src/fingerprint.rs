@@ -1,39 +1,49 @@
 //! The `v1` request fingerprint.
 //!
-//! SHA-256 over length-prefixed fields: method, path and query, media type, body kind,
-//! canonical body, then each configured header. The body is canonical so that a retry that
-//! re-serialises the same JSON (other key order, other whitespace) still matches:
+//! SHA-256 over length-prefixed fields: method, path and query, media type (with its
+//! parameters), content codings, body kind, canonical body, then each configured header. The
+//! body is canonical so that a retry that re-serialises the same JSON (other key order, other
+//! whitespace, other escapes or number spellings) still matches:
 //!
-//! - JSON (`application/json`, `*/*+json`): RFC 8785 (JCS);
-//! - `application/x-www-form-urlencoded`: the decoded pairs, sorted;
-//! - anything else: the raw bytes.
+//! - JSON (`application/json`, `*/*+json`): RFC 8785 (JCS), except that a number RFC 8785
+//!   cannot write exactly is written in an exact form (below);
+//! - `application/x-www-form-urlencoded`: the decoded pairs, sorted by name only, so values
+//!   keep their order within a name (`a=1&a=2` is not `a=2&a=1`);
+//! - anything else, and any body under a `Content-Encoding` other than `identity`: the raw
+//!   bytes.
 //!
 //! A gRPC request (`application/grpc`, `+proto`, `+json`) hashes the path, the raw message
 //! frames and its `grpc-encoding` (absent is `identity`).
 //!
-//! Canonicalising must never make two different requests equal. A JSON body with duplicate
-//! keys, a lone surrogate, a number beyond 2^53 in magnitude, a number whose literal is not
-//! exactly the double it parses to, invalid UTF-8 or syntax, or nesting deeper than [`MAX_DEPTH`] is
-//! hashed as raw bytes instead; so is a form body with a bad percent-escape.
+//! Canonicalising must never make two different requests equal. Numbers: a literal whose
+//! value is exactly the number RFC 8785 writes for the double it parses to (`1.5`, `1e21`,
+//! `1000000000000000000000`) is written as RFC 8785 writes it; any other literal
+//! (`9007199254740993`, `0.10000000000000000001`, `1e400`), which RFC 8785 would round into
+//! another value's form, is written exactly as `#` sign digits `e` exponent
+//! (`#9007199254740993e0`, also for `9007199254740993.0`), with no leading or trailing zeros
+//! in the digits. RFC 8785 never writes `#`, so the two forms cannot meet. A lone surrogate is
+//! kept as its `\udxxx` escape; RFC 8785 writes every valid code point as UTF-8. Only a body
+//! whose canonical form could still merge two requests is hashed raw: duplicate keys (parsers
+//! disagree on which wins), and anything that is not JSON (bad syntax, invalid UTF-8); so is a
+//! form body with a bad percent-escape.
 //!
-//! The JSON reader is hand-written: `serde_json` keeps the last of duplicate keys and, without
-//! its global `arbitrary_precision` feature, loses number literals, so it cannot tell when
-//! canonicalising would merge two requests.
+//! The JSON reader is hand-written and single-pass, neither recurses nor allocates per value,
+//! and copies input that is already canonical in runs rather than token by token: `serde_json`
+//! keeps the last of duplicate keys and, without its global `arbitrary_precision` feature,
+//! loses number literals. Documents without excluded fields take a leaner loop
+//! ([`Canon::run_plain`]) than those with ([`Canon::run`]); a property test holds them to the
+//! same output.
 
-use std::borrow::Cow;
+use std::cell::RefCell;
 use std::cmp::Ordering;
+use std::io::Write as _;
 
-use http::{request, HeaderMap, HeaderName};
+use http::header::{CONTENT_ENCODING, CONTENT_TYPE};
+use http::{request, HeaderMap, HeaderName, Uri};
 use sha2::{Digest, Sha256};
 
 use crate::policy::is_grpc;
 use crate::record::Fingerprint;
-
-/// Deeper JSON is hashed raw: bounds recursion on hostile input.
-pub(crate) const MAX_DEPTH: usize = 128;
-/// 2^53: integers beyond it do not survive a round trip through an IEEE double.
-const MAX_SAFE_INTEGER: u128 = 1 << 53;
-const MAX_SAFE: f64 = MAX_SAFE_INTEGER as f64;
 
 /// What the fingerprint covers beyond method, path and body.
 #[derive(Debug, Clone, Default)]
@@ -91,30 +101,6 @@ impl BodyKind {
     }
 }
 
-fn media_type(headers: &HeaderMap) -> String {
-    headers
-        .get(http::header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .map(|v| {
-            v.split(';')
-                .next()
-                .unwrap_or("")
-                .trim()
-                .to_ascii_lowercase()
-        })
-        .unwrap_or_default()
-}
-
-fn kind_of(media: &str) -> BodyKind {
-    if media == "application/json" || (media.contains('/') && media.ends_with("+json")) {
-        BodyKind::Json
-    } else if media == "application/x-www-form-urlencoded" {
-        BodyKind::Form
-    } else {
-        BodyKind::Raw
-    }
-}
-
 struct Hasher(Sha256);
 
 impl Hasher {
@@ -125,46 +111,59 @@ impl Hasher {
     }
 }
 
-/// Computes the `v1` fingerprint of a request.
+/// Appends a length-prefixed field to `out`.
+fn frame(out: &mut Vec<u8>, bytes: &[u8]) {
+    out.extend_from_slice(&(bytes.len() as u64).to_be_bytes());
+    out.extend_from_slice(bytes);
+}
+
+/// Computes the `v1` fingerprint of a request. `target` is the URI whose path and query are
+/// hashed: the one the client sent, which a nested router may have rewritten in `parts`.
 pub(crate) fn fingerprint(
     parts: &request::Parts,
+    target: &Uri,
     body: &[u8],
     config: &FingerprintConfig,
 ) -> Fingerprint {
     let mut h = Hasher(Sha256::new());
     h.0.update(b"tower-idempotency fingerprint v1\0");
     h.field(parts.method.as_str().as_bytes());
-    let target = parts
-        .uri
-        .path_and_query()
-        .map_or("/", |p| p.as_str())
-        .as_bytes();
-    h.field(target);
-    let media = media_type(&parts.headers);
-    h.field(media.as_bytes());
+    h.field(
+        target
+            .path_and_query()
+            .map_or("/", |p| p.as_str())
+            .as_bytes(),
+    );
+    let (media, kind) = media_type(&parts.headers);
+    h.field(&media);
+    let codings = content_codings(&parts.headers);
+    h.field(&codings);
 
-    // gRPC bodies are length-prefixed message frames, even `application/grpc+json`: raw.
+    // gRPC bodies are length-prefixed message frames, even `application/grpc+json`, and an
+    // encoded body's bytes are not the JSON or form they decode to: both raw.
     let grpc = is_grpc(&parts.headers);
-    let canonical = match kind_of(&media) {
-        _ if grpc => None,
-        BodyKind::Json => canonical_json(body, &config.excluded).map(|c| (BodyKind::Json, c)),
-        BodyKind::Form => canonical_form(body).map(|c| (BodyKind::Form, c)),
-        BodyKind::Raw => None,
+    let kind = if grpc || !codings.is_empty() {
+        BodyKind::Raw
+    } else {
+        kind
     };
-    match &canonical {
-        Some((kind, bytes)) => {
+    with_buffers(|b| {
+        let done = match kind {
+            BodyKind::Json => canonicalise(body, &config.excluded, &mut b.out, &mut b.work),
+            BodyKind::Form => canonical_form_into(body, &mut b.out),
+            BodyKind::Raw => false,
+        };
+        if done {
             h.field(kind.tag());
-            h.field(bytes);
-        }
-        None => {
+            h.field(&b.out);
+        } else {
             h.field(BodyKind::Raw.tag());
             h.field(body);
         }
-    }
+    });
     if grpc {
         // The same frame bytes under another `grpc-encoding` are another message. Absent
-        // means `identity`. Only gRPC requests hash this field, so HTTP fingerprints are
-        // unchanged.
+        // means `identity`. Only gRPC requests hash this field.
         let encoding = parts
             .headers
             .get("grpc-encoding")
@@ -186,69 +185,271 @@ pub(crate) fn fingerprint(
 }
 
 // ---------------------------------------------------------------------------------------
-// RFC 8785 canonical JSON
+// Content-Type and Content-Encoding
 // ---------------------------------------------------------------------------------------
 
-/// Strings and numbers borrow from the input when it already holds their canonical form.
-enum Value<'a> {
-    Null,
-    Bool(bool),
-    /// Already in ECMAScript `Number.prototype.toString` form.
-    Number(Cow<'a, str>),
-    String(Cow<'a, str>),
-    Array(Vec<Value<'a>>),
-    Object(Vec<(Cow<'a, str>, Value<'a>)>),
+/// The `Content-Type` field, framed, and the body kind it names.
+///
+/// Normalised (RFC 9110 8.3.1): type, subtype and parameter names lower-cased, a quoted value
+/// unquoted (`"utf-8"` is `utf-8`), parameters sorted by name, stably. Values keep their case,
+/// since RFC 9110 leaves that to each parameter (a multipart `boundary` is case-sensitive),
+/// except `charset`, whose values are case-insensitive by definition (RFC 9110 8.3.2). Absent
+/// is empty; several field lines, or one that does not parse, are hashed as sent.
+fn media_type(headers: &HeaderMap) -> (Vec<u8>, BodyKind) {
+    let mut lines = headers.get_all(CONTENT_TYPE).iter();
+    let mut out = Vec::new();
+    let (first, second) = (lines.next(), lines.next());
+    let Some(first) = first else {
+        return (out, BodyKind::Raw);
+    };
+    if second.is_none() {
+        if let Some((essence, params)) = parse_media_type(first.as_bytes()) {
+            out.push(b'm');
+            frame(&mut out, essence.as_bytes());
+            for (name, value) in &params {
+                frame(&mut out, name.as_bytes());
+                frame(&mut out, value);
+            }
+            let kind = if essence == "application/json" || essence.ends_with("+json") {
+                BodyKind::Json
+            } else if essence == "application/x-www-form-urlencoded" {
+                BodyKind::Form
+            } else {
+                BodyKind::Raw
+            };
+            return (out, kind);
+        }
+    }
+    out.push(b'r');
+    for line in headers.get_all(CONTENT_TYPE) {
+        frame(&mut out, line.as_bytes());
+    }
+    (out, BodyKind::Raw)
 }
 
-/// The RFC 8785 form of `body` with `excluded` fields removed, or `None` when canonicalising
-/// could merge two different requests.
-pub(crate) fn canonical_json(body: &[u8], excluded: &[JsonPointer]) -> Option<Vec<u8>> {
-    let text = std::str::from_utf8(body).ok()?;
-    let mut p = Parser {
-        s: text.as_bytes(),
-        text,
-        i: 0,
+type Params = Vec<(String, Vec<u8>)>;
+
+fn is_tchar(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
+}
+
+fn parse_media_type(v: &[u8]) -> Option<(String, Params)> {
+    let ows = |i: &mut usize| {
+        while let Some(b' ' | b'\t') = v.get(*i) {
+            *i += 1;
+        }
     };
-    p.ws();
-    let mut value = p.value(0)?;
-    p.ws();
-    if p.i != p.s.len() {
+    let token = |i: &mut usize| -> Option<String> {
+        let start = *i;
+        while v.get(*i).is_some_and(|&b| is_tchar(b)) {
+            *i += 1;
+        }
+        (*i > start).then(|| String::from_utf8_lossy(&v[start..*i]).to_ascii_lowercase())
+    };
+    let mut i = 0;
+    ows(&mut i);
+    let ty = token(&mut i)?;
+    if v.get(i) != Some(&b'/') {
         return None;
     }
-    for pointer in excluded {
-        remove(&mut value, &pointer.0);
+    i += 1;
+    let sub = token(&mut i)?;
+    let essence = format!("{ty}/{sub}");
+    let mut params = Params::new();
+    loop {
+        ows(&mut i);
+        match v.get(i) {
+            None => break,
+            Some(b';') => i += 1,
+            Some(_) => return None,
+        }
+        ows(&mut i);
+        if matches!(v.get(i), None | Some(b';')) {
+            continue; // empty parameter
+        }
+        let name = token(&mut i)?;
+        if v.get(i) != Some(&b'=') {
+            return None;
+        }
+        i += 1;
+        let mut value = Vec::new();
+        if v.get(i) == Some(&b'"') {
+            i += 1;
+            loop {
+                match *v.get(i)? {
+                    b'"' => break,
+                    b'\\' => {
+                        value.push(*v.get(i + 1)?);
+                        i += 2;
+                    }
+                    b => {
+                        value.push(b);
+                        i += 1;
+                    }
+                }
+            }
+            i += 1;
+        } else {
+            let start = i;
+            while v.get(i).is_some_and(|&b| is_tchar(b)) {
+                i += 1;
+            }
+            value.extend_from_slice(&v[start..i]);
+        }
+        if name == "charset" {
+            value.make_ascii_lowercase();
+        }
+        params.push((name, value));
     }
-    let mut out = Vec::with_capacity(body.len());
-    write(&value, &mut out);
-    Some(out)
+    params.sort_by(|a, b| a.0.cmp(&b.0));
+    Some((essence, params))
 }
 
-fn remove(value: &mut Value<'_>, path: &[String]) {
-    let Some((last, parents)) = path.split_last() else {
-        return;
-    };
-    let mut cur = value;
-    for token in parents {
-        cur = match cur {
-            Value::Object(members) => match members.iter_mut().find(|(k, _)| k == token) {
-                Some((_, v)) => v,
-                None => return,
-            },
-            Value::Array(items) => match array_index(token).and_then(|i| items.get_mut(i)) {
-                Some(v) => v,
-                None => return,
-            },
-            _ => return,
-        };
-    }
-    match cur {
-        Value::Object(members) => members.retain(|(k, _)| k != last),
-        Value::Array(items) => {
-            if let Some(i) = array_index(last).filter(|&i| i < items.len()) {
-                items.remove(i);
+/// The `Content-Encoding` codings in order, lower-cased, framed; `identity` (a no-op) and
+/// empty list elements left out, so absent and `identity` are both empty.
+fn content_codings(headers: &HeaderMap) -> Vec<u8> {
+    let mut out = Vec::new();
+    for line in headers.get_all(CONTENT_ENCODING) {
+        for coding in line.as_bytes().split(|&b| b == b',') {
+            let coding = coding.trim_ascii().to_ascii_lowercase();
+            if !coding.is_empty() && coding != b"identity" {
+                frame(&mut out, &coding);
             }
         }
-        _ => {}
+    }
+    out
+}
+
+// ---------------------------------------------------------------------------------------
+// RFC 8785 canonical JSON, with exact numbers
+// ---------------------------------------------------------------------------------------
+
+/// The canonical form of `body` with `excluded` fields removed, or `None` when canonicalising
+/// could merge two different requests.
+pub(crate) fn canonical_json(body: &[u8], excluded: &[JsonPointer]) -> Option<Vec<u8>> {
+    let mut out = Vec::new();
+    canonical_json_into(body, excluded, &mut out).then_some(out)
+}
+
+/// [`canonical_json`] into `out` (cleared first); `false` where that returns `None`.
+pub(crate) fn canonical_json_into(
+    body: &[u8],
+    excluded: &[JsonPointer],
+    out: &mut Vec<u8>,
+) -> bool {
+    with_buffers(|b| canonicalise(body, excluded, out, &mut b.work))
+}
+
+fn canonicalise(body: &[u8], excluded: &[JsonPointer], out: &mut Vec<u8>, work: &mut Work) -> bool {
+    out.clear();
+    if std::str::from_utf8(body).is_err() {
+        return false;
+    }
+    out.reserve(body.len());
+    let mut c = Canon {
+        s: body,
+        i: 0,
+        out,
+        pending: (0, 0),
+        stack: std::mem::take(&mut work.stack),
+        members: std::mem::take(&mut work.members),
+        scratch: std::mem::take(&mut work.scratch),
+        pointers: excluded.iter().map(Pointer::new).collect(),
+        active: (0..excluded.len()).collect(),
+    };
+    let done = if excluded.is_empty() {
+        let mut open = std::mem::take(&mut work.open);
+        let done = c.run_plain(&mut open).is_some();
+        work.open = open;
+        done
+    } else {
+        c.run().is_some()
+    };
+    (work.stack, work.members, work.scratch) = (c.stack, c.members, c.scratch);
+    done
+}
+
+/// Buffers one thread reuses from request to request, so that a small body costs no
+/// allocation.
+#[derive(Default)]
+struct Buffers {
+    /// The canonical body.
+    out: Vec<u8>,
+    work: Work,
+}
+
+#[derive(Default)]
+struct Work {
+    stack: Vec<Frame>,
+    open: Vec<Open>,
+    members: Vec<Member>,
+    scratch: Vec<u8>,
+}
+
+thread_local! {
+    static BUFFERS: RefCell<Buffers> = RefCell::new(Buffers::default());
+}
+
+/// Runs `f` with this thread's buffers, empty. Buffers grown past `KEEP` bytes are freed
+/// afterwards rather than kept for the thread's lifetime.
+fn with_buffers<R>(f: impl FnOnce(&mut Buffers) -> R) -> R {
+    const KEEP: usize = 64 * 1024;
+    let mut b = BUFFERS
+        .try_with(|cell| cell.try_borrow_mut().map(|mut b| std::mem::take(&mut *b)))
+        .ok()
+        .and_then(Result::ok)
+        .unwrap_or_default();
+    let r = f(&mut b);
+    let keep = |v: &mut Vec<u8>| {
+        v.clear();
+        if v.capacity() > KEEP {
+            *v = Vec::new();
+        }
+    };
+    keep(&mut b.out);
+    keep(&mut b.work.scratch);
+    b.work.stack.clear();
+    b.work.open.clear();
+    b.work.members.clear();
+    if b.work.stack.capacity() > KEEP / 64
+        || b.work.open.capacity() > KEEP / 64
+        || b.work.members.capacity() > KEEP / 32
+    {
+        b.work = Work::default();
+    }
+    let _ = BUFFERS.try_with(|cell| {
+        if let Ok(mut slot) = cell.try_borrow_mut() {
+            *slot = b;
+        }
+    });
+    r
+}
+
+/// SHA-256 of the canonical JSON form of `body`, with the buffers `fingerprint` uses.
+pub(crate) fn canonical_json_digest(body: &[u8]) -> Option<[u8; 32]> {
+    with_buffers(|b| {
+        canonicalise(body, &[], &mut b.out, &mut b.work).then(|| Sha256::digest(&b.out).into())
+    })
+}
+
+/// An excluded field's path, each token in the form its key takes in the output.
+struct Pointer {
+    keys: Vec<Vec<u8>>,
+    indices: Vec<Option<usize>>,
+}
+
+impl Pointer {
+    fn new(p: &JsonPointer) -> Self {
+        let keys =
+            p.0.iter()
+                .map(|t| {
+                    let mut k = Vec::with_capacity(t.len());
+                    escape_str(t, &mut k);
+                    k
+                })
+                .collect();
+        let indices = p.0.iter().map(|t| array_index(t)).collect();
+        Self { keys, indices }
     }
 }
 
@@ -259,335 +460,892 @@ fn array_index(token: &str) -> Option<usize> {
     token.parse().ok()
 }
 
-struct Parser<'a> {
-    /// Checked to be UTF-8 before parsing.
-    s: &'a [u8],
-    text: &'a str,
-    i: usize,
+/// An open array or object.
+struct Frame {
+    object: bool,
+    /// Where its `[` or `{` is in the output.
+    start: usize,
+    /// Its children are at this pointer depth.
+    depth: usize,
+    /// Pointers that lead into it: `Canon::active[active..active_end]`.
+    active: usize,
+    active_end: usize,
+    /// Its members start at `Canon::members[members]`.
+    members: usize,
+    /// Items written, and items seen (an array's next index).
+    written: usize,
+    seen: usize,
+    /// The current item: where it starts in the output (at its comma, if any), where its key
+    /// starts and ends (objects), whether it is excluded, and where its pointers start in
+    /// `active`.
+    item: usize,
+    key: usize,
+    key_end: usize,
+    simple_key: bool,
+    key_prefix: u64,
+    excluded: bool,
+    item_active: usize,
 }
 
-impl<'a> Parser<'a> {
+/// An open array or object in [`Canon::run_plain`]: where its bracket is in the output, where
+/// its members start in `Canon::members`, and for an object the current member's key.
+struct Open {
+    object: bool,
+    start: usize,
+    members: usize,
+    key: usize,
+    colon: usize,
+    simple: bool,
+    prefix: u64,
+}
+
+/// One written member of an open object: `out[key..end]` is `"key":value`; the key's
+/// content is `out[key + 1..colon - 1]`.
+#[derive(Clone, Copy)]
+struct Member {
+    key: usize,
+    colon: usize,
+    end: usize,
+    /// No escapes and no supplementary-plane character: UTF-8 byte order is UTF-16 order.
+    simple: bool,
+    /// A simple key's first 8 bytes, big-endian, zero-padded (a simple key holds no NUL):
+    /// most comparisons end here.
+    prefix: u64,
+}
+
+struct Canon<'a, 'o> {
+    /// Checked to be UTF-8.
+    s: &'a [u8],
+    i: usize,
+    /// The output is `out` then `s[pending.0..pending.1]`: input that is already canonical
+    /// is not copied byte by byte but in runs, as late as possible. Positions (`pos`)
+    /// count both.
+    out: &'o mut Vec<u8>,
+    pending: (usize, usize),
+    stack: Vec<Frame>,
+    members: Vec<Member>,
+    /// Where an object's members are copied to be written back in order.
+    scratch: Vec<u8>,
+    pointers: Vec<Pointer>,
+    /// Indices into `pointers`: a range per open frame, then per current item.
+    active: Vec<usize>,
+}
+
+impl Canon<'_, '_> {
+    /// The output length so far.
+    #[inline]
+    fn pos(&self) -> usize {
+        self.out.len() + self.pending.1 - self.pending.0
+    }
+
+    /// Appends input bytes `a..b`, already canonical.
+    #[inline]
+    fn emit(&mut self, a: usize, b: usize) {
+        if self.pending.1 != a {
+            self.flush();
+            self.pending.0 = a;
+        }
+        self.pending.1 = b;
+    }
+
+    #[inline]
+    fn flush(&mut self) {
+        let (a, b) = self.pending;
+        if a != b {
+            self.out.extend_from_slice(&self.s[a..b]);
+        }
+        self.pending = (b, b);
+    }
+
+    /// The output, for bytes that are not input.
+    #[inline]
+    fn out(&mut self) -> &mut Vec<u8> {
+        self.flush();
+        self.out
+    }
+
+    /// Output bytes `a..b`, which must lie wholly in `out` or wholly in the pending input.
+    fn view(&self, a: usize, b: usize) -> &[u8] {
+        let flushed = self.out.len();
+        if a >= flushed {
+            &self.s[self.pending.0 + a - flushed..self.pending.0 + b - flushed]
+        } else {
+            &self.out[a..b]
+        }
+    }
+
+    #[inline]
     fn ws(&mut self) {
         while let Some(b' ' | b'\t' | b'\n' | b'\r') = self.s.get(self.i) {
             self.i += 1;
         }
     }
 
-    fn eat(&mut self, lit: &[u8]) -> Option<()> {
-        if self.s[self.i..].starts_with(lit) {
-            self.i += lit.len();
-            Some(())
-        } else {
-            None
-        }
-    }
-
-    fn value(&mut self, depth: usize) -> Option<Value<'a>> {
-        if depth > MAX_DEPTH {
-            return None;
-        }
-        match *self.s.get(self.i)? {
-            b'{' => self.object(depth),
-            b'[' => self.array(depth),
-            b'"' => self.string().map(Value::String),
-            b't' => self.eat(b"true").map(|()| Value::Bool(true)),
-            b'f' => self.eat(b"false").map(|()| Value::Bool(false)),
-            b'n' => self.eat(b"null").map(|()| Value::Null),
-            b'-' | b'0'..=b'9' => self.number().map(Value::Number),
-            _ => None,
-        }
-    }
-
-    fn object(&mut self, depth: usize) -> Option<Value<'a>> {
-        self.i += 1;
-        let mut members = Vec::new();
-        self.ws();
-        if self.eat(b"}").is_some() {
-            return Some(Value::Object(members));
-        }
-        loop {
-            self.ws();
-            if self.s.get(self.i) != Some(&b'"') {
-                return None;
-            }
-            let key = self.string()?;
-            self.ws();
-            self.eat(b":")?;
-            self.ws();
-            let v = self.value(depth + 1)?;
-            members.push((key, v));
+    /// Iterative: one loop over values with an explicit stack, so nesting depth is bounded
+    /// by the body alone.
+    fn run(&mut self) -> Option<()> {
+        // The pointers that lead into the next value (for the top value: all of them).
+        let mut next_active = (0, self.active.len());
+        'value: loop {
             self.ws();
             match *self.s.get(self.i)? {
-                b',' => self.i += 1,
-                b'}' => {
+                open @ (b'{' | b'[') => {
+                    let object = open == b'{';
+                    self.stack.push(Frame {
+                        object,
+                        start: self.pos(),
+                        depth: self.stack.len(),
+                        active: next_active.0,
+                        active_end: next_active.1,
+                        members: self.members.len(),
+                        written: 0,
+                        seen: 0,
+                        item: 0,
+                        key: 0,
+                        key_end: 0,
+                        simple_key: true,
+                        key_prefix: 0,
+                        excluded: false,
+                        item_active: 0,
+                    });
+                    self.emit(self.i, self.i + 1);
                     self.i += 1;
-                    break;
+                    self.ws();
+                    let close = if object { b'}' } else { b']' };
+                    if self.s.get(self.i) == Some(&close) {
+                        self.emit(self.i, self.i + 1);
+                        self.i += 1;
+                        self.stack.pop();
+                    } else {
+                        next_active = self.item(None)?;
+                        continue 'value;
+                    }
                 }
+                b'"' => self.string()?,
+                b't' => self.literal(b"true")?,
+                b'f' => self.literal(b"false")?,
+                b'n' => self.literal(b"null")?,
+                b'-' | b'0'..=b'9' => self.number()?,
                 _ => return None,
             }
-        }
-        // RFC 8785 3.2.3: members sorted by their UTF-16 code units.
-        members.sort_by(|a, b| utf16_cmp(&a.0, &b.0));
-        if members.windows(2).any(|w| w[0].0 == w[1].0) {
-            return None; // duplicate keys: parsers disagree on which one wins
-        }
-        Some(Value::Object(members))
-    }
-
-    fn array(&mut self, depth: usize) -> Option<Value<'a>> {
-        self.i += 1;
-        let mut items = Vec::new();
-        self.ws();
-        if self.eat(b"]").is_some() {
-            return Some(Value::Array(items));
-        }
-        loop {
-            self.ws();
-            items.push(self.value(depth + 1)?);
-            self.ws();
-            match *self.s.get(self.i)? {
-                b',' => self.i += 1,
-                b']' => {
-                    self.i += 1;
-                    return Some(Value::Array(items));
+            // A value is complete: finish the item it was in, closing frames as they end.
+            loop {
+                let Some(f) = self.stack.last_mut() else {
+                    break 'value;
+                };
+                f.seen += 1;
+                let end = self.out.len() + self.pending.1 - self.pending.0;
+                if f.excluded {
+                    let item = f.item;
+                    self.flush();
+                    self.out.truncate(item);
+                } else {
+                    f.written += 1;
+                    if f.object {
+                        self.members.push(Member {
+                            key: f.key,
+                            colon: f.key_end,
+                            end,
+                            simple: f.simple_key,
+                            prefix: f.key_prefix,
+                        });
+                    }
                 }
-                _ => return None,
+                let f = self.stack.last()?;
+                self.active.truncate(f.item_active);
+                let object = f.object;
+                self.ws();
+                match self.s.get(self.i) {
+                    Some(b',') => {
+                        let comma = self.i;
+                        self.i += 1;
+                        self.ws();
+                        next_active = self.item(Some(comma))?;
+                        continue 'value;
+                    }
+                    Some(b'}') if object => {
+                        self.i += 1;
+                        self.close_object()?;
+                    }
+                    Some(b']') if !object => {
+                        self.emit(self.i, self.i + 1);
+                        self.i += 1;
+                        self.stack.pop();
+                    }
+                    _ => return None,
+                }
             }
         }
+        self.ws();
+        self.flush();
+        (self.i == self.s.len()).then_some(())
     }
 
-    fn hex4(&mut self) -> Option<u16> {
-        let digits = self.s.get(self.i..self.i + 4)?;
-        self.i += 4;
-        let text = std::str::from_utf8(digits).ok()?;
-        if !text.bytes().all(|b| b.is_ascii_hexdigit()) {
-            return None;
+    /// [`Canon::run`] for a document without excluded fields: the same output in fewer steps
+    /// per token, with the cursor and the pending run in locals and no pointer bookkeeping.
+    fn run_plain(&mut self, open: &mut Vec<Open>) -> Option<()> {
+        let s = self.s;
+        let mut i = self.i;
+        let (mut ps, mut pe) = self.pending;
+        macro_rules! pos {
+            () => {
+                self.out.len() + pe - ps
+            };
         }
-        u16::from_str_radix(text, 16).ok()
-    }
-
-    fn string(&mut self) -> Option<Cow<'a, str>> {
-        self.i += 1; // opening quote
-        let start = self.i;
-        self.plain_run();
-        // Fast path: no escapes, so the input slice is the value.
-        if self.s.get(self.i) == Some(&b'"') {
-            self.i += 1;
-            return Some(Cow::Borrowed(&self.text[start..self.i - 1]));
+        macro_rules! emit {
+            ($a:expr, $b:expr) => {{
+                let (a, b) = ($a, $b);
+                if pe != a {
+                    if ps != pe {
+                        self.out.extend_from_slice(&s[ps..pe]);
+                    }
+                    ps = a;
+                }
+                pe = b;
+            }};
         }
-        let mut out = String::from(&self.text[start..self.i]);
-        loop {
-            match *self.s.get(self.i)? {
+        macro_rules! ws {
+            () => {
+                // Whitespace is at most b' '; anything else above it ends the run at once.
+                while let Some(&b) = s.get(i) {
+                    // Whitespace is at most b' ': one test for the usual byte.
+                    if b > b' ' || !matches!(b, b' ' | b'\t' | b'\n' | b'\r') {
+                        break;
+                    }
+                    i += 1;
+                }
+            };
+        }
+        // Hand the state to a method of `self`, and take it back.
+        macro_rules! call {
+            ($e:expr) => {{
+                self.i = i;
+                self.pending = (ps, pe);
+                let r = $e;
+                i = self.i;
+                (ps, pe) = self.pending;
+                r
+            }};
+        }
+        // An object member's key and colon, recorded in the innermost `Open`.
+        macro_rules! key {
+            () => {{
+                if s.get(i) != Some(&b'"') {
+                    return None;
+                }
+                let key = pos!();
+                let end = plain_end(s, i + 1);
+                let (simple, prefix);
+                if s.get(end) == Some(&b'"') {
+                    emit!(i, end + 1);
+                    let content = &s[i + 1..end];
+                    prefix = match s.get(i + 1..i + 9) {
+                        // The 8 bytes from the key's start, those past its end masked off.
+                        Some(word) if content.len() < 8 => {
+                            let mut w = [0; 8];
+                            w.copy_from_slice(word);
+                            u64::from_be_bytes(w) & !(u64::MAX >> (8 * content.len()))
+                        }
+                        _ => key_prefix(content),
+                    };
+                    // An ASCII prefix of a key of up to 8 bytes is the whole key.
+                    simple = (content.len() <= 8 && prefix & 0x8080_8080_8080_8080 == 0)
+                        || content.iter().all(|&b| b < 0xF0);
+                    i = end + 1;
+                } else {
+                    call!({
+                        let r = self.string();
+                        self.flush();
+                        r
+                    })?;
+                    let content = self.out.get(key + 1..self.out.len() - 1)?;
+                    simple = content.iter().all(|&b| b != b'\\' && b < 0xF0);
+                    prefix = key_prefix(content);
+                }
+                let colon = pos!();
+                ws!();
+                if s.get(i) != Some(&b':') {
+                    return None;
+                }
+                emit!(i, i + 1);
+                i += 1;
+                let f = open.last_mut()?;
+                (f.key, f.colon, f.simple, f.prefix) = (key, colon, simple, prefix);
+            }};
+        }
+        'value: loop {
+            ws!();
+            match *s.get(i)? {
                 b'"' => {
-                    self.i += 1;
-                    return Some(Cow::Owned(out));
+                    let end = plain_end(s, i + 1);
+                    if s.get(end) == Some(&b'"') {
+                        emit!(i, end + 1);
+                        i = end + 1;
+                    } else {
+                        call!(self.string())?;
+                    }
                 }
-                b'\\' => {
-                    self.i += 1;
-                    let e = *self.s.get(self.i)?;
-                    self.i += 1;
-                    match e {
-                        b'"' => out.push('"'),
-                        b'\\' => out.push('\\'),
-                        b'/' => out.push('/'),
-                        b'b' => out.push('\u{8}'),
-                        b'f' => out.push('\u{c}'),
-                        b'n' => out.push('\n'),
-                        b'r' => out.push('\r'),
-                        b't' => out.push('\t'),
-                        b'u' => out.push(self.unicode_escape()?),
+                b @ (b'{' | b'[') => {
+                    let object = b == b'{';
+                    let start = pos!();
+                    emit!(i, i + 1);
+                    i += 1;
+                    ws!();
+                    let close = if object { b'}' } else { b']' };
+                    if s.get(i) == Some(&close) {
+                        emit!(i, i + 1);
+                        i += 1;
+                    } else {
+                        open.push(Open {
+                            object,
+                            start,
+                            members: self.members.len(),
+                            key: 0,
+                            colon: 0,
+                            simple: true,
+                            prefix: 0,
+                        });
+                        if object {
+                            key!();
+                        }
+                        continue 'value;
+                    }
+                }
+                b't' | b'f' | b'n' => {
+                    let lit: &[u8] = match s[i] {
+                        b't' => b"true",
+                        b'f' => b"false",
+                        _ => b"null",
+                    };
+                    if !s[i..].starts_with(lit) {
+                        return None;
+                    }
+                    emit!(i, i + lit.len());
+                    i += lit.len();
+                }
+                b'-' | b'0'..=b'9' => {
+                    // Fast path: an integer of 1 to 15 digits, not `-0`, as written.
+                    let digits = i + usize::from(s[i] == b'-');
+                    let end = digits_end(s, digits);
+                    let int_len = end - digits;
+                    let leading_zero = int_len > 1 && s[digits] == b'0';
+                    match s.get(end) {
+                        Some(b'e' | b'E') => call!(self.number())?,
+                        _ if int_len == 0 || leading_zero => return None,
+                        Some(b'.') => {
+                            // `d.ddd` that is its double's ECMAScript form: as written.
+                            let frac_end = digits_end(s, end + 1);
+                            let plain = !matches!(s.get(frac_end), Some(b'e' | b'E'))
+                                && frac_end > end + 1
+                                && plain_decimal_is_canonical(
+                                    &s[digits..end],
+                                    &s[end + 1..frac_end],
+                                );
+                            if plain {
+                                emit!(i, frac_end);
+                                i = frac_end;
+                            } else {
+                                call!(self.number())?;
+                            }
+                        }
+                        // An integer of up to 15 digits is below 2^53: as written, but `-0`.
+                        _ if int_len <= 15 && !(digits > i && s[digits] == b'0') => {
+                            emit!(i, end);
+                            i = end;
+                        }
+                        _ => call!(self.number())?,
+                    }
+                }
+                _ => return None,
+            }
+            // A value is complete: finish the item it was in, closing containers as they end.
+            loop {
+                let Some(f) = open.last() else {
+                    break 'value;
+                };
+                if f.object {
+                    self.members.push(Member {
+                        key: f.key,
+                        colon: f.colon,
+                        end: pos!(),
+                        simple: f.simple,
+                        prefix: f.prefix,
+                    });
+                    ws!();
+                    match s.get(i) {
+                        Some(b',') => {
+                            emit!(i, i + 1);
+                            i += 1;
+                            ws!();
+                            key!();
+                            continue 'value;
+                        }
+                        Some(b'}') => {
+                            i += 1;
+                            let f = open.pop()?;
+                            call!(self.close_members(f.start, f.members))?;
+                        }
+                        _ => return None,
+                    }
+                } else {
+                    ws!();
+                    match s.get(i) {
+                        Some(b',') => {
+                            emit!(i, i + 1);
+                            i += 1;
+                            continue 'value;
+                        }
+                        Some(b']') => {
+                            emit!(i, i + 1);
+                            i += 1;
+                            open.pop();
+                        }
                         _ => return None,
                     }
                 }
-                _ => return None, // raw control character
             }
-            let run = self.i;
-            self.plain_run();
-            out.push_str(&self.text[run..self.i]);
         }
+        ws!();
+        self.i = i;
+        self.pending = (ps, pe);
+        self.flush();
+        (self.i == s.len()).then_some(())
     }
 
-    /// Skips bytes that stand for themselves inside a string. Stops only on ASCII, so the
-    /// positions it leaves are char boundaries of the (UTF-8) input.
-    fn plain_run(&mut self) {
-        let rest = &self.s[self.i..];
-        self.i += rest
-            .iter()
-            .position(|&b| SPECIAL[b as usize])
-            .unwrap_or(rest.len());
-    }
-
-    /// After `\u`: one code point, pairing surrogates; a lone surrogate is `None`.
-    fn unicode_escape(&mut self) -> Option<char> {
-        let hi = self.hex4()?;
-        match hi {
-            0xD800..=0xDBFF => {
-                self.eat(b"\\u")?;
-                let lo = self.hex4()?;
-                if !(0xDC00..=0xDFFF).contains(&lo) {
-                    return None; // lone high surrogate
-                }
-                let cp = 0x10000 + ((u32::from(hi) - 0xD800) << 10) + (u32::from(lo) - 0xDC00);
-                char::from_u32(cp)
+    /// Starts the next item of the innermost frame: its comma and, in an object, its key and
+    /// colon. Returns the range in `active` of the pointers that lead into its value.
+    fn item(&mut self, comma: Option<usize>) -> Option<(usize, usize)> {
+        let n = self.stack.len() - 1;
+        let f = &self.stack[n];
+        let (object, depth, seen, written) = (f.object, f.depth, f.seen, f.written);
+        let (active, active_end) = (f.active, f.active_end);
+        let item = self.pos();
+        if written > 0 {
+            match comma {
+                Some(c) => self.emit(c, c + 1),
+                None => self.out().push(b','),
             }
-            0xDC00..=0xDFFF => None, // lone low surrogate
-            _ => char::from_u32(u32::from(hi)),
         }
-    }
-
-    /// Reads a number literal and returns its ECMAScript form, or `None` when that form
-    /// would stand for more than one literal value.
-    fn number(&mut self) -> Option<Cow<'a, str>> {
-        let start = self.i;
-        self.eat(b"-");
-        match *self.s.get(self.i)? {
-            b'0' => self.i += 1,
-            b'1'..=b'9' => self.digits(),
-            _ => return None,
-        }
-        let mut integer = true;
-        if self.s.get(self.i) == Some(&b'.') {
-            integer = false;
-            self.i += 1;
-            if !self.s.get(self.i)?.is_ascii_digit() {
+        let key = self.pos();
+        let (mut key_end, mut simple_key, mut key_prefix) = (key, true, 0);
+        if object {
+            if self.s.get(self.i) != Some(&b'"') {
                 return None;
             }
-            self.digits();
-        }
-        if let Some(b'e' | b'E') = self.s.get(self.i) {
-            integer = false;
-            self.i += 1;
-            if let Some(b'+' | b'-') = self.s.get(self.i) {
-                self.i += 1;
-            }
-            if !self.s.get(self.i)?.is_ascii_digit() {
-                return None;
-            }
-            self.digits();
-        }
-        let literal = &self.text[start..self.i];
-        if integer {
-            // Judge integers on their digits: 2^53 + 1 parses to the double 2^53 and
-            // would merge with it. More digits than an i128 holds is beyond 2^53 anyway.
-            let n: i128 = literal.parse().ok()?;
-            if n.unsigned_abs() > MAX_SAFE_INTEGER {
-                return None;
-            }
-            // JSON forbids leading zeros, so the literal is canonical except for "-0".
-            return Some(if n == 0 {
-                Cow::Borrowed("0")
+            let start = self.i;
+            let end = plain_end(self.s, start + 1);
+            let content = if self.s.get(end) == Some(&b'"') {
+                // No escapes: the key is its input bytes.
+                self.emit(start, end + 1);
+                self.i = end + 1;
+                key_end = self.pos();
+                let content = &self.s[start + 1..end];
+                simple_key = content.iter().all(|&b| b < 0xF0);
+                content
             } else {
-                Cow::Borrowed(literal)
-            });
+                self.string()?;
+                key_end = self.pos();
+                if key < self.out.len() {
+                    self.flush(); // partly written out already
+                }
+                let content = self.view(key + 1, key_end - 1);
+                simple_key = content.iter().all(|&b| b != b'\\' && b < 0xF0);
+                content
+            };
+            key_prefix = self::key_prefix(content);
+            if self.s.get(self.i) != Some(&b':') {
+                self.ws();
+                if self.s.get(self.i) != Some(&b':') {
+                    return None;
+                }
+            }
+            self.emit(self.i, self.i + 1);
+            self.i += 1;
         }
-        if plain_decimal_is_canonical(literal) {
-            return Some(Cow::Borrowed(literal));
+        let item_active = self.active.len();
+        let mut excluded = false;
+        for j in active..active_end {
+            let p = self.active[j];
+            let pointer = &self.pointers[p];
+            let hit = if object {
+                pointer.keys.get(depth).map(Vec::as_slice) == Some(self.view(key + 1, key_end - 1))
+            } else {
+                pointer.indices.get(depth).copied().flatten() == Some(seen)
+            };
+            if hit {
+                if pointer.keys.len() == depth + 1 {
+                    excluded = true;
+                } else {
+                    self.active.push(p);
+                }
+            }
         }
-        let value: f64 = literal.parse().ok()?;
-        if !value.is_finite() || (value.fract() == 0.0 && value.abs() > MAX_SAFE) {
+        let f = &mut self.stack[n];
+        f.item = item;
+        f.key = key;
+        f.key_end = key_end;
+        f.simple_key = simple_key;
+        f.key_prefix = key_prefix;
+        f.excluded = excluded;
+        f.item_active = item_active;
+        Some((item_active, self.active.len()))
+    }
+
+    /// At the end of an object: sorts its members (RFC 8785 3.2.3: by UTF-16 code units),
+    /// refuses duplicate keys, and writes them back in order if they were not.
+    fn close_object(&mut self) -> Option<()> {
+        let f = self.stack.pop()?;
+        self.close_members(f.start, f.members)
+    }
+
+    /// Closes the object whose `{` is at output position `start`, its members from
+    /// `self.members[base..]`, its `}` just before `self.i`.
+    fn close_members(&mut self, start: usize, base: usize) -> Option<()> {
+        let close = self.i - 1;
+        // Where the members' bytes are: still in the input when the whole object is pending
+        // (no whitespace, no rewritten value), else in `out`.
+        let flushed = self.out.len();
+        let in_input = start >= flushed;
+        if !in_input {
+            self.flush();
+        }
+        let (src, delta): (&[u8], usize) = if in_input {
+            (self.s, self.pending.0.wrapping_sub(flushed))
+        } else {
+            (self.out, 0)
+        };
+        let members = &mut self.members[base..];
+        let n = members.len();
+        let mut moved = false;
+        // The members in order, as indices: up to 16 by an insertion sort that moves bytes,
+        // not members, and finds duplicates on the way (equal keys end up side by side, and
+        // the later one stops at the earlier); an object already in order costs n - 1
+        // comparisons. Larger objects are sorted in place.
+        let mut order = [0u8; 16];
+        let small = n <= 16;
+        if small {
+            for i in 1..n {
+                let m = &members[i];
+                let mut j = i;
+                while j > 0 {
+                    match key_cmp(src, delta, &members[usize::from(order[j - 1])], m) {
+                        Ordering::Greater => {
+                            order[j] = order[j - 1];
+                            j -= 1;
+                            moved = true;
+                        }
+                        Ordering::Equal => return None, // duplicate keys: parsers disagree
+                        Ordering::Less => break,
+                    }
+                }
+                order[j] = i as u8;
+            }
+        } else if !members
+            .windows(2)
+            .all(|w| key_cmp(src, delta, &w[0], &w[1]) == Ordering::Less)
+        {
+            members.sort_unstable_by(|a, b| key_cmp(src, delta, a, b));
+            if members
+                .windows(2)
+                .any(|w| key_cmp(src, delta, &w[0], &w[1]) == Ordering::Equal)
+            {
+                return None; // duplicate keys: parsers disagree on which one wins
+            }
+            moved = true;
+        }
+        if !moved {
+            self.members.truncate(base);
+            self.emit(close, close + 1);
+            return Some(());
+        }
+        let body = start + 1;
+        if in_input {
+            self.pending.1 = body.wrapping_add(delta);
+            self.flush();
+        }
+        let members = &self.members[base..];
+        let nth = |k: usize| {
+            if small {
+                members[usize::from(order[k])]
+            } else {
+                members[k]
+            }
+        };
+        let (src, delta) = if in_input {
+            // Write the members straight from the input.
+            (self.s, delta)
+        } else {
+            self.scratch.clear();
+            self.scratch.extend_from_slice(&self.out[body..]);
+            self.out.truncate(body);
+            (&self.scratch[..], body.wrapping_neg())
+        };
+        for k in 0..n {
+            if k > 0 {
+                self.out.push(b',');
+            }
+            let m = nth(k);
+            self.out
+                .extend_from_slice(&src[m.key.wrapping_add(delta)..m.end.wrapping_add(delta)]);
+        }
+        self.members.truncate(base);
+        self.out.push(b'}');
+        self.pending = (close + 1, close + 1);
+        Some(())
+    }
+
+    fn literal(&mut self, lit: &'static [u8]) -> Option<()> {
+        if !self.s[self.i..].starts_with(lit) {
             return None;
         }
-        let mut buf = ryu_js::Buffer::new();
-        let es = buf.format_finite(value);
-        // Only canonicalise when the literal is exactly this double's shortest form, so two
-        // distinct decimals (0.1 and 0.10000000000000000001) never share a fingerprint.
-        (decimal(literal)? == decimal(es)?).then(|| Cow::Owned(es.to_owned()))
+        self.emit(self.i, self.i + lit.len());
+        self.i += lit.len();
+        Some(())
     }
 
-    fn digits(&mut self) {
-        while self.s.get(self.i).is_some_and(u8::is_ascii_digit) {
-            self.i += 1;
+    /// At an opening quote: writes the string in canonical form (RFC 8785 3.2.2.2: only `"`,
+    /// `\` and controls escaped, the rest UTF-8), and a lone surrogate as `\udxxx`.
+    #[inline]
+    fn string(&mut self) -> Option<()> {
+        let s = self.s;
+        let start = self.i;
+        let i = plain_end(s, start + 1);
+        // Fast path: no escapes, so the input is already canonical.
+        if s.get(i) == Some(&b'"') {
+            self.emit(start, i + 1);
+            self.i = i + 1;
+            return Some(());
         }
+        self.emit(start, i);
+        self.string_rest(i)
     }
-}
 
-/// A decimal literal as (negative, significant digits, exponent of the last digit).
-/// Zero has no digits and no sign.
-fn decimal(lit: &str) -> Option<(bool, String, i64)> {
-    let (neg, rest) = match lit.strip_prefix('-') {
-        Some(r) => (true, r),
-        None => (false, lit),
-    };
-    let (mantissa, exp) = match rest.find(['e', 'E']) {
-        Some(i) => (&rest[..i], rest[i + 1..].parse::<i64>().ok()?),
-        None => (rest, 0),
-    };
-    let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
-    let mut digits: String = int.chars().chain(frac.chars()).collect();
-    let mut exp = exp - frac.len() as i64;
-    while digits.ends_with('0') {
-        digits.pop();
-        exp += 1;
-    }
-    let digits = digits.trim_start_matches('0').to_owned();
-    if digits.is_empty() {
-        return Some((false, digits, 0));
-    }
-    Some((neg, digits, exp))
-}
-
-/// `d.ddd` with at most 15 significant digits, no trailing fraction zero, and a magnitude
-/// of at least 1e-6: such a decimal is its double's shortest round-trip form, and
-/// ECMAScript prints it unchanged (it switches to exponents below 1e-6 and above 1e21).
-fn plain_decimal_is_canonical(lit: &str) -> bool {
-    let digits = lit.strip_prefix('-').unwrap_or(lit);
-    let Some((int, frac)) = digits.split_once('.') else {
-        return false;
-    };
-    if frac.is_empty() || frac.ends_with('0') || !frac.bytes().all(|b| b.is_ascii_digit()) {
-        return false;
-    }
-    let significant = if int == "0" {
-        let zeros = frac.len() - frac.trim_start_matches('0').len();
-        if zeros >= 6 {
-            return false;
-        }
-        frac.len() - zeros
-    } else {
-        int.len() + frac.len()
-    };
-    significant <= 15
-}
-
-/// RFC 8785 orders keys by UTF-16 code units. That equals byte order unless a string holds a
-/// supplementary-plane character (a 4-byte UTF-8 sequence, lead byte >= 0xF0).
-fn utf16_cmp(a: &str, b: &str) -> Ordering {
-    let supplementary = |s: &str| s.bytes().any(|b| b >= 0xF0);
-    if supplementary(a) || supplementary(b) {
-        a.encode_utf16().cmp(b.encode_utf16())
-    } else {
-        a.as_bytes().cmp(b.as_bytes())
-    }
-}
-
-fn write(v: &Value<'_>, out: &mut Vec<u8>) {
-    match v {
-        Value::Null => out.extend_from_slice(b"null"),
-        Value::Bool(true) => out.extend_from_slice(b"true"),
-        Value::Bool(false) => out.extend_from_slice(b"false"),
-        Value::Number(n) => out.extend_from_slice(n.as_bytes()),
-        Value::String(s) => write_string(s, out),
-        Value::Array(items) => {
-            out.push(b'[');
-            for (i, item) in items.iter().enumerate() {
-                if i > 0 {
-                    out.push(b',');
+    /// The rest of a string with escapes (or a bad byte) at `i`.
+    #[inline(never)]
+    fn string_rest(&mut self, mut i: usize) -> Option<()> {
+        let s = self.s;
+        loop {
+            match *s.get(i)? {
+                b'"' => {
+                    self.emit(i, i + 1);
+                    self.i = i + 1;
+                    return Some(());
                 }
-                write(item, out);
+                b'\\' => i = self.escape(i)?,
+                _ => return None, // raw control character
             }
-            out.push(b']');
+            let run = plain_end(s, i);
+            self.emit(i, run);
+            i = run;
         }
-        Value::Object(members) => {
-            out.push(b'{');
-            for (i, (k, v)) in members.iter().enumerate() {
-                if i > 0 {
-                    out.push(b',');
-                }
-                write_string(k, out);
-                out.push(b':');
-                write(v, out);
+    }
+
+    /// At a backslash: writes the escaped character canonically; returns where it ends.
+    fn escape(&mut self, i: usize) -> Option<usize> {
+        let s = self.s;
+        match *s.get(i + 1)? {
+            // Already canonical: stays in the pending run.
+            b'"' | b'\\' | b'b' | b'f' | b'n' | b'r' | b't' => {
+                self.emit(i, i + 2);
+                return Some(i + 2);
             }
-            out.push(b'}');
+            b'/' => {
+                self.out().push(b'/');
+                return Some(i + 2);
+            }
+            b'u' => {}
+            _ => return None,
+        }
+        let unit = hex4(s, i + 2)?;
+        let mut end = i + 6;
+        let cp = match unit {
+            0xD800..=0xDBFF => match (s.get(end..end + 2), hex4(s, end + 2)) {
+                (Some(b"\\u"), Some(lo @ 0xDC00..=0xDFFF)) => {
+                    end += 6;
+                    0x10000 + ((u32::from(unit) - 0xD800) << 10) + (u32::from(lo) - 0xDC00)
+                }
+                _ => {
+                    write_unit_escape(unit, self.out());
+                    return Some(end);
+                }
+            },
+            0xDC00..=0xDFFF => {
+                write_unit_escape(unit, self.out());
+                return Some(end);
+            }
+            _ => u32::from(unit),
+        };
+        let c = char::from_u32(cp)?;
+        match c {
+            '"' | '\\' | '\0'..='\x1f' => escape_char(c as u8, self.out()),
+            _ => {
+                let mut buf = [0; 4];
+                self.out()
+                    .extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
+            }
+        }
+        Some(end)
+    }
+
+    /// Writes a number literal's canonical form; see the module docs.
+    fn number(&mut self) -> Option<()> {
+        let s = self.s;
+        let start = self.i;
+        let mut i = start;
+        let negative = s[i] == b'-';
+        if negative {
+            i += 1;
+        }
+        let int_start = i;
+        match *s.get(i)? {
+            b'0' => i += 1,
+            b'1'..=b'9' => i = digits_end(s, i + 1),
+            _ => return None,
+        }
+        let int = &s[int_start..i];
+        let mut frac: &[u8] = &[];
+        if s.get(i) == Some(&b'.') {
+            let frac_start = i + 1;
+            i = digits_end(s, frac_start);
+            if i == frac_start {
+                return None;
+            }
+            frac = &s[frac_start..i];
+        }
+        let mut exp = None;
+        if let Some(b'e' | b'E') = s.get(i) {
+            i += 1;
+            let exp_negative = match s.get(i) {
+                Some(b'-') => {
+                    i += 1;
+                    true
+                }
+                Some(b'+') => {
+                    i += 1;
+                    false
+                }
+                _ => false,
+            };
+            let exp_start = i;
+            i = digits_end(s, exp_start);
+            if i == exp_start {
+                return None;
+            }
+            exp = Some((exp_negative, &s[exp_start..i]));
+        }
+        self.i = i;
+        let literal = &s[start..i];
+        if exp.is_none() {
+            if frac.is_empty() {
+                if int == b"0" {
+                    self.out().push(b'0'); // and "-0"
+                    return Some(());
+                }
+                // At most 15 digits: below 2^53, printed by ECMAScript as written.
+                if int.len() <= 15 {
+                    self.emit(start, i);
+                    return Some(());
+                }
+            } else if plain_decimal_is_canonical(int, frac) {
+                self.emit(start, i);
+                return Some(());
+            }
+        }
+        let value = Decimal::new(negative, int, frac, exp);
+        if value.a.is_empty() && value.b.is_empty() {
+            self.out().push(b'0');
+            return Some(());
+        }
+        // The literal is ASCII, and Rust parses any JSON number, rounding correctly.
+        let double: f64 = std::str::from_utf8(literal).ok()?.parse().ok()?;
+        if double.is_finite() {
+            let mut buf = ryu_js::Buffer::new();
+            let es = buf.format_finite(double);
+            if es_decimal(es.as_bytes()).is_some_and(|d| d == value) {
+                self.out().extend_from_slice(es.as_bytes());
+                return Some(());
+            }
+        }
+        value.write_exact(self.out());
+        Some(())
+    }
+}
+
+/// Skips bytes that stand for themselves inside a string, 8 at a time: stops at `"`, `\`
+/// or a control. Stops only on ASCII, so it leaves char boundaries.
+#[inline(always)]
+fn plain_end(s: &[u8], mut i: usize) -> usize {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    while let Some(chunk) = s.get(i..i + 8) {
+        let mut word = [0; 8];
+        word.copy_from_slice(chunk);
+        let w = u64::from_le_bytes(word);
+        let quote = w ^ (ONES * u64::from(b'"'));
+        let backslash = w ^ (ONES * u64::from(b'\\'));
+        // Per byte "is zero" and "is below 0x20": exact for the lowest flagged byte.
+        let hits = (quote.wrapping_sub(ONES) & !quote)
+            | (backslash.wrapping_sub(ONES) & !backslash)
+            | (w.wrapping_sub(ONES * 0x20) & !w);
+        let hits = hits & HIGH;
+        if hits != 0 {
+            return i + (hits.trailing_zeros() / 8) as usize;
+        }
+        i += 8;
+    }
+    while s.get(i).is_some_and(|&b| !SPECIAL[b as usize]) {
+        i += 1;
+    }
+    i
+}
+
+#[inline]
+fn digits_end(s: &[u8], mut i: usize) -> usize {
+    while s.get(i).is_some_and(u8::is_ascii_digit) {
+        i += 1;
+    }
+    i
+}
+
+fn hex4(s: &[u8], i: usize) -> Option<u16> {
+    let mut unit = 0u16;
+    for &b in s.get(i..i + 4)? {
+        let d = (b as char).to_digit(16)?;
+        unit = unit << 4 | d as u16;
+    }
+    Some(unit)
+}
+
+const HEX: &[u8; 16] = b"0123456789abcdef";
+
+fn write_unit_escape(unit: u16, out: &mut Vec<u8>) {
+    out.extend_from_slice(b"\\u");
+    for shift in [12, 8, 4, 0] {
+        out.push(HEX[usize::from(unit >> shift & 0xf)]);
+    }
+}
+
+/// RFC 8785 3.2.2.2 for `"`, `\` and the controls.
+fn escape_char(b: u8, out: &mut Vec<u8>) {
+    match b {
+        b'"' => out.extend_from_slice(b"\\\""),
+        b'\\' => out.extend_from_slice(b"\\\\"),
+        0x08 => out.extend_from_slice(b"\\b"),
+        0x09 => out.extend_from_slice(b"\\t"),
+        0x0a => out.extend_from_slice(b"\\n"),
+        0x0c => out.extend_from_slice(b"\\f"),
+        0x0d => out.extend_from_slice(b"\\r"),
+        _ => write_unit_escape(u16::from(b), out),
+    }
+}
+
+/// A string's canonical content (without quotes).
+fn escape_str(s: &str, out: &mut Vec<u8>) {
+    for &b in s.as_bytes() {
+        if SPECIAL[b as usize] {
+            escape_char(b, out);
+        } else {
+            out.push(b);
         }
     }
 }
@@ -605,69 +1363,289 @@ const SPECIAL: [bool; 256] = {
     t
 };
 
-/// RFC 8785 3.2.2.2: escape `"`, `\\` and controls; everything else as UTF-8.
-fn write_string(s: &str, out: &mut Vec<u8>) {
-    out.push(b'"');
-    let bytes = s.as_bytes();
-    if !bytes.iter().any(|&b| SPECIAL[b as usize]) {
-        out.extend_from_slice(bytes);
-        out.push(b'"');
-        return;
+/// RFC 8785 orders keys by UTF-16 code units. That is byte order for keys without escapes
+/// or supplementary-plane characters (4-byte UTF-8, lead byte >= 0xF0).
+/// Keys are at `src[position + delta]` (wrapping: `delta` may stand for a negative shift).
+#[inline(always)]
+fn key_cmp(src: &[u8], delta: usize, a: &Member, b: &Member) -> Ordering {
+    if a.simple && b.simple && a.prefix != b.prefix {
+        return a.prefix.cmp(&b.prefix);
     }
-    let mut run = 0;
-    for (i, &b) in bytes.iter().enumerate() {
-        let escape: &[u8] = match b {
-            b'"' => b"\\\"",
-            b'\\' => b"\\\\",
-            0x08 => b"\\b",
-            0x09 => b"\\t",
-            0x0a => b"\\n",
-            0x0c => b"\\f",
-            0x0d => b"\\r",
-            0x00..=0x1f => b"",
-            _ => continue,
-        };
-        out.extend_from_slice(&bytes[run..i]);
-        run = i + 1;
-        if escape.is_empty() {
-            const HEX: &[u8; 16] = b"0123456789abcdef";
-            out.extend_from_slice(b"\\u00");
-            out.push(HEX[(b >> 4) as usize]);
-            out.push(HEX[(b & 0xf) as usize]);
-        } else {
-            out.extend_from_slice(escape);
+    let key = |m: &Member| &src[(m.key + 1).wrapping_add(delta)..(m.colon - 1).wrapping_add(delta)];
+    let (ka, kb) = (key(a), key(b));
+    if a.simple && b.simple {
+        ka.cmp(kb)
+    } else {
+        utf16_units(ka).cmp(&utf16_units(kb))
+    }
+}
+
+/// A key's first 8 bytes, big-endian, zero-padded.
+#[inline]
+fn key_prefix(content: &[u8]) -> u64 {
+    match content.first_chunk::<8>() {
+        Some(head) => u64::from_be_bytes(*head),
+        None => content
+            .iter()
+            .enumerate()
+            .fold(0, |p, (k, &b)| p | u64::from(b) << (56 - 8 * k)),
+    }
+}
+
+/// The UTF-16 code units of a string's canonical content.
+fn utf16_units(k: &[u8]) -> Vec<u16> {
+    let mut units = Vec::with_capacity(k.len());
+    let mut i = 0;
+    while i < k.len() {
+        let run = k[i..]
+            .iter()
+            .position(|&b| b == b'\\')
+            .map_or(k.len(), |p| i + p);
+        // Escapes are ASCII, so the runs between them are whole UTF-8.
+        units.extend(String::from_utf8_lossy(&k[i..run]).encode_utf16());
+        i = run;
+        if i < k.len() {
+            let (unit, len) = match k.get(i + 1) {
+                Some(b'"') => (0x22, 2),
+                Some(b'\\') => (0x5c, 2),
+                Some(b'b') => (0x08, 2),
+                Some(b'f') => (0x0c, 2),
+                Some(b'n') => (0x0a, 2),
+                Some(b'r') => (0x0d, 2),
+                Some(b't') => (0x09, 2),
+                _ => (hex4(k, i + 2).unwrap_or(0), 6),
+            };
+            units.push(unit);
+            i += len;
         }
     }
-    out.extend_from_slice(&bytes[run..]);
-    out.push(b'"');
+    units
+}
+
+/// `d.ddd` with at most 15 significant digits, no trailing fraction zero, and a magnitude of
+/// at least 1e-6: such a decimal is its double's shortest round-trip form, and ECMAScript
+/// prints it unchanged (it switches to exponents below 1e-6 and from 1e21).
+fn plain_decimal_is_canonical(int: &[u8], frac: &[u8]) -> bool {
+    if frac.last() == Some(&b'0') {
+        return false;
+    }
+    let significant = if int == b"0" {
+        let zeros = frac.iter().take_while(|&&d| d == b'0').count();
+        if zeros >= 6 {
+            return false;
+        }
+        frac.len() - zeros
+    } else {
+        int.len() + frac.len()
+    };
+    significant <= 15
+}
+
+/// A decimal's value: sign, the significant digits `a` then `b` (no leading or trailing
+/// zeros; both empty for zero), and the exponent of the last digit.
+#[derive(Debug)]
+struct Decimal<'a> {
+    negative: bool,
+    a: &'a [u8],
+    b: &'a [u8],
+    exp: Exponent<'a>,
+}
+
+/// Literal exponents of up to 30 digits are exact in an `i128` with room for the shift by
+/// the digit count; longer ones keep their digits.
+#[derive(Debug, PartialEq, Eq)]
+enum Exponent<'a> {
+    Small(i128),
+    /// `(-1 if negative) * digits + shift`, with `digits` over 30 long: far beyond any shift.
+    Big {
+        negative: bool,
+        digits: &'a [u8],
+        shift: i128,
+    },
+}
+
+/// Equal values: the digits are compared as one sequence, wherever the point split them.
+impl PartialEq for Decimal<'_> {
+    fn eq(&self, other: &Self) -> bool {
+        self.negative == other.negative
+            && self.exp == other.exp
+            && self.a.len() + self.b.len() == other.a.len() + other.b.len()
+            && self
+                .a
+                .iter()
+                .chain(self.b)
+                .eq(other.a.iter().chain(other.b))
+    }
+}
+
+impl<'a> Decimal<'a> {
+    /// The value of `-? int . frac e exp` (digits only, `exp` as sign and digits).
+    fn new(negative: bool, int: &'a [u8], frac: &'a [u8], exp: Option<(bool, &'a [u8])>) -> Self {
+        let zeros = |d: &[u8]| d.iter().take_while(|&&b| b == b'0').count();
+        let trailing = |d: &[u8]| d.iter().rev().take_while(|&&b| b == b'0').count();
+        let (mut a, mut b) = (&int[zeros(int)..], frac);
+        if a.is_empty() {
+            b = &b[zeros(b)..];
+        }
+        let mut dropped = trailing(b);
+        b = &b[..b.len() - dropped];
+        if b.is_empty() {
+            let t = trailing(a);
+            a = &a[..a.len() - t];
+            dropped += t;
+        }
+        if a.is_empty() && b.is_empty() {
+            return Self {
+                negative: false,
+                a,
+                b,
+                exp: Exponent::Small(0),
+            };
+        }
+        // Both at most the body's length: far inside an i128.
+        let shift = dropped as i128 - frac.len() as i128;
+        let exp = match exp {
+            None => Exponent::Small(shift),
+            Some((negative, digits)) => {
+                let digits = &digits[zeros(digits)..];
+                if digits.len() <= 30 {
+                    let magnitude = digits
+                        .iter()
+                        .fold(0i128, |n, &d| n * 10 + i128::from(d - b'0'));
+                    Exponent::Small(if negative { -magnitude } else { magnitude } + shift)
+                } else {
+                    Exponent::Big {
+                        negative,
+                        digits,
+                        shift,
+                    }
+                }
+            }
+        };
+        Self {
+            negative,
+            a,
+            b,
+            exp,
+        }
+    }
+
+    /// `#`, `-` if negative, the digits, `e`, the exponent: never an RFC 8785 number.
+    fn write_exact(&self, out: &mut Vec<u8>) {
+        out.push(b'#');
+        if self.negative {
+            out.push(b'-');
+        }
+        out.extend_from_slice(self.a);
+        out.extend_from_slice(self.b);
+        out.push(b'e');
+        match self.exp {
+            Exponent::Small(e) => {
+                let _ = write!(out, "{e}");
+            }
+            Exponent::Big {
+                negative,
+                digits,
+                shift,
+            } => {
+                if negative {
+                    out.push(b'-');
+                }
+                out.extend_from_slice(&shift_digits(digits, if negative { -shift } else { shift }));
+            }
+        }
+    }
+}
+
+/// `digits + delta` for a decimal `digits` far larger than `|delta|`.
+fn shift_digits(digits: &[u8], delta: i128) -> Vec<u8> {
+    let mut n = digits.to_vec();
+    let mut carry = delta.unsigned_abs();
+    for d in n.iter_mut().rev() {
+        if carry == 0 {
+            break;
+        }
+        let digit = u128::from(*d - b'0');
+        let step = carry % 10;
+        carry /= 10;
+        let v = if delta >= 0 {
+            let v = digit + step;
+            carry += v / 10;
+            v % 10
+        } else if digit >= step {
+            digit - step
+        } else {
+            carry += 1;
+            digit + 10 - step
+        };
+        *d = b'0' + v as u8;
+    }
+    if carry > 0 {
+        // Only when adding: more digits than before.
+        let mut head = carry.to_string().into_bytes();
+        head.extend_from_slice(&n);
+        n = head;
+    }
+    let zeros = n.iter().take_while(|&&b| b == b'0').count();
+    n.drain(..zeros);
+    n
+}
+
+/// The value of an ECMAScript number string (`-1.5e-7`, `1e+21`, `123`).
+fn es_decimal(es: &[u8]) -> Option<Decimal<'_>> {
+    let (negative, rest) = match es.split_first()? {
+        (b'-', rest) => (true, rest),
+        _ => (false, es),
+    };
+    let (mantissa, exp) = match rest.iter().position(|&b| b == b'e' || b == b'E') {
+        Some(p) => {
+            let e = &rest[p + 1..];
+            let (neg, digits) = match e.split_first()? {
+                (b'-', d) => (true, d),
+                (b'+', d) => (false, d),
+                _ => (false, e),
+            };
+            (&rest[..p], Some((neg, digits)))
+        }
+        None => (rest, None),
+    };
+    let (int, frac) = match mantissa.iter().position(|&b| b == b'.') {
+        Some(p) => (&mantissa[..p], &mantissa[p + 1..]),
+        None => (mantissa, &[][..]),
+    };
+    Some(Decimal::new(negative, int, frac, exp))
 }
 
 // ---------------------------------------------------------------------------------------
 // Form bodies
 // ---------------------------------------------------------------------------------------
 
-/// Decoded pairs, sorted, length-prefixed; `None` on a bad percent-escape.
+/// Decoded pairs, sorted by name only and stably (values keep their order within a name),
+/// length-prefixed, into `out`; `false` on a bad percent-escape.
 ///
 /// Hand-written: `form_urlencoded` passes bad escapes through and decodes lossily to UTF-8,
 /// which would let `a=%zz` and `a=%25zz` (or two invalid byte strings) share a fingerprint.
-pub(crate) fn canonical_form(body: &[u8]) -> Option<Vec<u8>> {
+fn canonical_form_into(body: &[u8], out: &mut Vec<u8>) -> bool {
     let mut pairs = Vec::new();
     for part in body.split(|&b| b == b'&').filter(|p| !p.is_empty()) {
         let (k, v) = match part.iter().position(|&b| b == b'=') {
             Some(i) => (&part[..i], &part[i + 1..]),
             None => (part, &[][..]),
         };
-        pairs.push((percent_decode(k)?, percent_decode(v)?));
+        match (percent_decode(k), percent_decode(v)) {
+            (Some(k), Some(v)) => pairs.push((k, v)),
+            _ => return false,
+        }
     }
-    pairs.sort();
-    let mut out = Vec::with_capacity(body.len() + pairs.len() * 16);
+    // Stable: `a=1&a=2` and `a=2&a=1` mean different things to most frameworks.
+    pairs.sort_by(|a, b| a.0.cmp(&b.0));
+    out.clear();
+    out.reserve(body.len() + pairs.len() * 16);
     for (k, v) in pairs {
-        out.extend_from_slice(&(k.len() as u64).to_be_bytes());
-        out.extend_from_slice(&k);
-        out.extend_from_slice(&(v.len() as u64).to_be_bytes());
-        out.extend_from_slice(&v);
+        frame(out, &k);
+        frame(out, &v);
     }
-    Some(out)
+    true
 }
 
 fn percent_decode(s: &[u8]) -> Option<Vec<u8>> {
@@ -677,12 +1655,9 @@ fn percent_decode(s: &[u8]) -> Option<Vec<u8>> {
         match s[i] {
             b'+' => out.push(b' '),
             b'%' => {
-                let hex = s.get(i + 1..i + 3)?;
-                let text = std::str::from_utf8(hex).ok()?;
-                if !text.bytes().all(|b| b.is_ascii_hexdigit()) {
-                    return None;
-                }
-                out.push(u8::from_str_radix(text, 16).ok()?);
+                let hi = (*s.get(i + 1)? as char).to_digit(16)?;
+                let lo = (*s.get(i + 2)? as char).to_digit(16)?;
+                out.push((hi << 4 | lo) as u8);
                 i += 2;
             }
             b => out.push(b),
@@ -695,6 +1670,12 @@ fn percent_decode(s: &[u8]) -> Option<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    fn canonical_form(body: &[u8]) -> Option<Vec<u8>> {
+        let mut out = Vec::new();
+        canonical_form_into(body, &mut out).then_some(out)
+    }
 
     fn jcs(s: &str) -> Option<String> {
         canonical_json(s.as_bytes(), &[]).map(|v| String::from_utf8(v).unwrap())
@@ -714,60 +1695,270 @@ mod tests {
         );
     }
 
+    /// RFC 8785 Appendix B: IEEE 754 bit patterns and their ECMAScript forms.
+    const RFC8785_NUMBERS: &[(u64, &str)] = &[
+        (0x0000000000000000, "0"),
+        (0x8000000000000000, "0"),
+        (0x0000000000000001, "5e-324"),
+        (0x8000000000000001, "-5e-324"),
+        (0x7fefffffffffffff, "1.7976931348623157e+308"),
+        (0xffefffffffffffff, "-1.7976931348623157e+308"),
+        (0x4340000000000000, "9007199254740992"),
+        (0xc340000000000000, "-9007199254740992"),
+        (0x4430000000000000, "295147905179352830000"),
+        (0x44b52d02c7e14af5, "9.999999999999997e+22"),
+        (0x44b52d02c7e14af6, "1e+23"),
+        (0x44b52d02c7e14af7, "1.0000000000000001e+23"),
+        (0x444b1ae4d6e2ef4e, "999999999999999700000"),
+        (0x444b1ae4d6e2ef4f, "999999999999999900000"),
+        (0x444b1ae4d6e2ef50, "1e+21"),
+        (0x3eb0c6f7a0b5ed8c, "9.999999999999997e-7"),
+        (0x3eb0c6f7a0b5ed8d, "0.000001"),
+        (0x41b3de4355555553, "333333333.3333332"),
+        (0x41b3de4355555554, "333333333.33333325"),
+        (0x41b3de4355555555, "333333333.3333333"),
+        (0x41b3de4355555556, "333333333.3333334"),
+        (0x41b3de4355555557, "333333333.33333343"),
+        (0xbecbf647612f3696, "-0.0000033333333333333333"),
+        (0x43143ff3c1cb0959, "1424953923781206.2"),
+    ];
+
     #[test]
-    fn rfc8785_numbers_strings_and_key_order() {
-        // Numbers: ECMAScript forms.
+    fn rfc8785_number_table_is_written_byte_for_byte() {
+        for &(bits, expected) in RFC8785_NUMBERS {
+            let x = f64::from_bits(bits);
+            assert_eq!(
+                ryu_js::Buffer::new().format_finite(x),
+                expected,
+                "{bits:016x}"
+            );
+            // Spelled as written, and as Rust's shortest forms of the same double.
+            for spelling in [
+                expected.to_owned(),
+                format!("{x:e}"),
+                format!("{x:E}"),
+                format!("{x}"),
+            ] {
+                assert_eq!(
+                    jcs(&spelling),
+                    Some(same_or_exact(&spelling, expected)),
+                    "{spelling}"
+                );
+            }
+        }
+        // NaN and Infinity are not JSON.
+        assert_eq!(jcs("NaN"), None);
+        assert_eq!(jcs("Infinity"), None);
+    }
+
+    /// What a spelling of a double canonicalises to: RFC 8785's form when the spelling is
+    /// that form's value. Rust breaks a tie between two shortest forms upwards where
+    /// ECMAScript picks the even digit (`1424953923781206.3` against `.2`, for the double
+    /// `…206.25`); that spelling is another decimal, so it is written exactly.
+    fn same_or_exact(spelling: &str, es: &str) -> String {
+        if es_decimal(spelling.as_bytes()) == es_decimal(es.as_bytes()) {
+            es.to_owned()
+        } else {
+            let d = es_decimal(spelling.as_bytes()).unwrap();
+            let mut out = Vec::new();
+            d.write_exact(&mut out);
+            String::from_utf8(out).unwrap()
+        }
+    }
+
+    #[test]
+    fn rust_and_ecmascript_break_ties_apart() {
+        let x = f64::from_bits(0x43143ff3c1cb0959);
+        assert_eq!(format!("{x}"), "1424953923781206.3");
+        assert_eq!(jcs("1424953923781206.3").unwrap(), "#14249539237812063e-1");
+        assert_eq!(jcs("1424953923781206.2").unwrap(), "1424953923781206.2");
         assert_eq!(
-            jcs("[1E2, 1.50, -0, 0.000001, 1e-7, 4.5e-1, 123456789012345.5, -2.5E-15]").unwrap(),
-            "[100,1.5,0,0.000001,1e-7,0.45,123456789012345.5,-2.5e-15]"
-        );
-        // Strings: only ", \ and controls escaped; unicode literal; \u escapes decoded.
-        assert_eq!(
-            jcs(r#""\u20ac\/\u0007\n""#).unwrap(),
-            "\"\u{20ac}/\\u0007\\n\""
-        );
-        // Key order by UTF-16 code units: U+FB33 sorts after U+1F600 (a surrogate pair 0xD83D).
-        assert_eq!(
-            jcs("{\"\u{fb33}\":1,\"\u{1f600}\":2,\"a\":3}").unwrap(),
-            "{\"a\":3,\"\u{1f600}\":2,\"\u{fb33}\":1}"
+            jcs("1424953923781206.25").unwrap(),
+            "#142495392378120625e-2"
         );
     }
 
     #[test]
-    fn inputs_that_could_merge_two_requests_are_not_canonicalised() {
+    fn rfc8785_sorting_example() {
+        let input = r#"{
+            "\u20ac": "Euro Sign",
+            "\r": "Carriage Return",
+            "\ufb33": "Hebrew Letter Dalet With Dagesh",
+            "1": "One",
+            "\ud83d\ude00": "Emoji: Grinning Face",
+            "\u0080": "Control",
+            "\u00f6": "Latin Small Letter O With Diaeresis"
+        }"#;
+        let expected = "{\"\\r\":\"Carriage Return\",\"1\":\"One\",\"\u{80}\":\"Control\",\
+            \"\u{f6}\":\"Latin Small Letter O With Diaeresis\",\"\u{20ac}\":\"Euro Sign\",\
+            \"\u{1f600}\":\"Emoji: Grinning Face\",\"\u{fb33}\":\"Hebrew Letter Dalet With Dagesh\"}";
+        assert_eq!(jcs(input).unwrap(), expected);
+    }
+
+    const VALUES_OUT: &str = r#"{"literals":[null,true,false],"numbers":[333333333.3333333,1e+30,4.5,0.002,1e-27],"string":"€$\u000f\nA'B\"\\\\\"/"}"#;
+
+    /// RFC 8785 3.2.4 and the json-canonicalization test data (`testdata/input` and
+    /// `output`): arrays, french, structures, unicode, values, weird.
+    #[test]
+    fn rfc8785_published_test_data() {
+        let cases: &[(&str, &str, &str)] = &[
+            (
+                "arrays",
+                "[\n  56,\n  {\n    \"d\": true,\n    \"10\": null,\n    \"1\": [ ]\n  }\n]\n",
+                r#"[56,{"1":[],"10":null,"d":true}]"#,
+            ),
+            (
+                "french",
+                "{\n  \"peach\": \"This sorting order\",\n  \"p\u{e9}ch\u{e9}\": \"is wrong according to French\",\n  \"p\u{ea}che\": \"but canonicalization MUST\",\n  \"sin\":   \"ignore locale\"\n}\n",
+                "{\"peach\":\"This sorting order\",\"p\u{e9}ch\u{e9}\":\"is wrong according to French\",\"p\u{ea}che\":\"but canonicalization MUST\",\"sin\":\"ignore locale\"}",
+            ),
+            (
+                "structures",
+                "{\n  \"1\": {\"f\": {\"f\": \"hi\",\"F\": 5} ,\"\\n\": 56.0},\n  \"10\": { },\n  \"\": \"empty\",\n  \"a\": { },\n  \"111\": [ {\"e\": \"yes\",\"E\": \"no\" } ],\n  \"A\": { }\n}\n",
+                r#"{"":"empty","1":{"\n":56,"f":{"F":5,"f":"hi"}},"10":{},"111":[{"E":"no","e":"yes"}],"A":{},"a":{}}"#,
+            ),
+            (
+                "unicode",
+                "{\n  \"Unnormalized Unicode\":\"A\\u030a\"\n}\n",
+                "{\"Unnormalized Unicode\":\"A\u{30a}\"}",
+            ),
+            (
+                // As published but for its first number, see below.
+                "values",
+                "{\n  \"numbers\": [333333333.3333333, 1E30, 4.50, 2e-3, 0.000000000000000000000000001],\n  \"string\": \"\\u20ac$\\u000F\\u000aA'\\u0042\\u0022\\u005c\\\\\\\"\\/\",\n  \"literals\": [null, true, false]\n}\n",
+                VALUES_OUT,
+            ),
+            (
+                "weird",
+                "{\n  \"\\u20ac\": \"Euro Sign\",\n  \"\\r\": \"Carriage Return\",\n  \"\\u000a\": \"Newline\",\n  \"1\": \"One\",\n  \"\\u0080\": \"Control\\u007f\",\n  \"\\ud83d\\ude02\": \"Smiley\",\n  \"\\u00f6\": \"Latin Small Letter O With Diaeresis\",\n  \"\\ufb33\": \"Hebrew Letter Dalet With Dagesh\",\n  \"</script>\": \"Browser Challenge\"\n}\n",
+                "{\"\\n\":\"Newline\",\"\\r\":\"Carriage Return\",\"1\":\"One\",\"</script>\":\"Browser Challenge\",\"\u{80}\":\"Control\u{7f}\",\"\u{f6}\":\"Latin Small Letter O With Diaeresis\",\"\u{20ac}\":\"Euro Sign\",\"\u{1f602}\":\"Smiley\",\"\u{fb33}\":\"Hebrew Letter Dalet With Dagesh\"}",
+            ),
+        ];
+        for (name, input, output) in cases {
+            assert_eq!(jcs(input).as_deref(), Some(*output), "{name}");
+        }
+    }
+
+    #[test]
+    fn a_decimal_rfc8785_would_round_gets_the_exact_form_instead() {
+        // The published `values` input: 333333333.33333329 is not the shortest form of the
+        // double it parses to (RFC 8785 writes 333333333.3333333, which would merge it with
+        // that literal), so it is written exactly; everything else is as RFC 8785 writes it.
+        let input = r#"{"numbers": [333333333.33333329, 1E30, 4.50, 2e-3, 0.000000000000000000000000001], "string": "\u20ac$\u000F\u000aA'\u0042\u0022\u005c\\\"\/", "literals": [null, true, false]}"#;
+        assert_eq!(
+            jcs(input).unwrap(),
+            VALUES_OUT.replace("333333333.3333333", "#33333333333333329e-8")
+        );
+    }
+
+    #[test]
+    fn numbers_rfc8785_cannot_write_exactly_get_an_exact_form() {
+        let cases = [
+            ("9007199254740993", "#9007199254740993e0"),
+            ("-9007199254740993", "#-9007199254740993e0"),
+            ("9007199254740993.0", "#9007199254740993e0"),
+            ("90071992547409930e-1", "#9007199254740993e0"),
+            ("9007199254740992", "9007199254740992"),
+            ("9007199254740994", "9007199254740994"),
+            ("18446744073709551615", "#18446744073709551615e0"),
+            ("1e21", "1e+21"),
+            ("1000000000000000000000", "1e+21"),
+            ("1000000000000000000000.000", "1e+21"),
+            ("0.1", "0.1"),
+            ("0.1000000000000000000001", "#1000000000000000000001e-22"),
+            (
+                "0.1000000000000000055511151231257827021181583404541015625",
+                "#1000000000000000055511151231257827021181583404541015625e-55",
+            ),
+            ("1e400", "#1e400"),
+            ("-10.0e399", "#-1e400"),
+            ("1e-400", "#1e-400"),
+            (
+                "123456789012345678901234567890e-10",
+                "#12345678901234567890123456789e-9",
+            ),
+            ("0e400", "0"),
+            ("-0.000e-7", "0"),
+        ];
+        for (input, expected) in cases {
+            assert_eq!(jcs(input).as_deref(), Some(expected), "{input}");
+        }
+        // Exponents too long for any integer type stay exact.
+        let big = format!("1e{}", "9".repeat(40));
+        assert_eq!(jcs(&big).unwrap(), format!("#1e{}", "9".repeat(40)));
+        let shifted = format!("0.00100e-{}", "9".repeat(40));
+        assert_eq!(jcs(&shifted).unwrap(), format!("#1e-1{}2", "0".repeat(39)));
+        let up = format!("1000e{}", "9".repeat(40));
+        assert_eq!(jcs(&up).unwrap(), format!("#1e1{}2", "0".repeat(39)));
+        let down = format!("1.5e1{}", "0".repeat(40));
+        assert_eq!(jcs(&down).unwrap(), format!("#15e{}", "9".repeat(40)));
+    }
+
+    #[test]
+    fn huge_exponents_do_not_overflow() {
+        for (input, expected) in [
+            ("[0.0e-9223372036854775808]", "[0]"),
+            ("[0e9223372036854775807]", "[0]"),
+            ("[1e9223372036854775807]", "[#1e9223372036854775807]"),
+            ("[1.5e-9223372036854775808]", "[#15e-9223372036854775809]"),
+            (
+                "[1e-340282366920938463463374607431768211456]",
+                "[#1e-340282366920938463463374607431768211456]",
+            ),
+        ] {
+            assert_eq!(jcs(input).as_deref(), Some(expected), "{input}");
+        }
+    }
+
+    #[test]
+    fn lone_surrogates_are_kept_as_escapes() {
+        assert_eq!(jcs(r#""\ud800""#).unwrap(), r#""\ud800""#);
+        assert_eq!(jcs(r#""\uDC00x""#).unwrap(), r#""\udc00x""#);
+        assert_eq!(jcs(r#""\uD800\u0041""#).unwrap(), r#""\ud800A""#);
+        assert_eq!(jcs(r#""\ud83d\ude00""#).unwrap(), "\"\u{1f600}\"");
+        assert_eq!(jcs("\"\\ude00\\ud83d\"").unwrap(), r#""\ude00\ud83d""#);
+        // Not the escaped backslash followed by `ud800`.
+        assert_ne!(jcs(r#""\ud800""#), jcs(r#""\\ud800""#));
+        // Keys too, in UTF-16 order: U+D800 sorts between U+D7FF and U+E000.
+        assert_eq!(
+            jcs("{\"\u{e000}\":3,\"\\ud800\":2,\"\u{d7ff}\":1}").unwrap(),
+            "{\"\u{d7ff}\":1,\"\\ud800\":2,\"\u{e000}\":3}"
+        );
+    }
+
+    #[test]
+    fn only_duplicate_keys_and_invalid_json_fall_back_to_raw() {
         assert_eq!(jcs(r#"{"a":1,"a":2}"#), None, "duplicate keys");
-        assert_eq!(
-            jcs(r#"{"a":1,"\u0061":2}"#),
-            None,
-            "duplicate keys after unescaping"
-        );
-        assert_eq!(jcs("9007199254740993"), None, "integer beyond 2^53");
-        assert_eq!(
-            jcs("9007199254740993.0"),
-            None,
-            "integral literal beyond 2^53"
-        );
-        assert_eq!(
-            jcs("123456789012345678901234567890123456789012"),
-            None,
-            "beyond i128"
-        );
-        assert_eq!(jcs("-9007199254740993"), None);
-        assert_eq!(jcs("1e300").as_deref(), None, "integral value beyond 2^53");
-        assert_eq!(
-            jcs("1e21").as_deref(),
-            None,
-            "every magnitude beyond 2^53 falls back"
-        );
-        assert_eq!(jcs("9007199254740992").as_deref(), Some("9007199254740992"));
-        assert_eq!(jcs("0.1000000000000000000001"), None, "inexact decimal");
-        assert_eq!(jcs(r#""\ud800""#), None, "lone high surrogate");
-        assert_eq!(jcs(r#""\udc00x""#), None, "lone low surrogate");
-        assert_eq!(jcs("{\"a\":1"), None, "truncated");
-        assert_eq!(jcs("{\"a\":1} x"), None, "trailing garbage");
-        assert_eq!(jcs("[01]"), None, "leading zero");
-        assert_eq!(jcs("\"tab\there\""), None, "raw control character");
-        assert_eq!(jcs(&"[".repeat(MAX_DEPTH + 2)), None, "too deep");
+        assert_eq!(jcs(r#"{"b":{"a":1,"\u0061":2}}"#), None, "after unescaping");
+        assert_eq!(jcs(r#"{"\ud800":1,"\uD800":2}"#), None, "lone surrogates");
+        for bad in [
+            "",
+            " ",
+            "{\"a\":1",
+            "{\"a\":1} x",
+            "[01]",
+            "[1.]",
+            "[.5]",
+            "[1e]",
+            "[-]",
+            "[+1]",
+            "\"tab\there\"",
+            "\"\\x\"",
+            "\"\\u12\"",
+            "\"\\u12g4\"",
+            "[1,]",
+            "{\"a\" 1}",
+            "{,}",
+            "[,1]",
+            "tru",
+            "nul",
+            "{1:2}",
+            "[1 2]",
+            "\"abc",
+            "[\"a\\\"]",
+        ] {
+            assert_eq!(jcs(bad), None, "{bad:?}");
+        }
         assert!(
             canonical_json(&[0x22, 0xff, 0x22], &[]).is_none(),
             "invalid UTF-8"
@@ -775,8 +1966,19 @@ mod tests {
     }
 
     #[test]
-    fn the_plain_decimal_fast_path_agrees_with_ecmascript_formatting() {
-        // A simple LCG: deterministic, no dev-dependency.
+    fn deep_nesting_is_canonicalised_without_recursion() {
+        let n = 100_000;
+        let deep = format!("{}1{}", "[{\"b\":0, \"a\":".repeat(n), "}]".repeat(n));
+        let out = jcs(&deep).unwrap();
+        assert_eq!(
+            out,
+            format!("{}1{}", "[{\"a\":".repeat(n), ",\"b\":0}]".repeat(n))
+        );
+    }
+
+    #[test]
+    fn plain_decimal_fast_path_agrees_with_ecmascript_formatting() {
+        // A simple LCG: deterministic.
         let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
         let mut next = |m: u64| {
             x = x
@@ -788,34 +1990,54 @@ mod tests {
         for _ in 0..200_000 {
             let int_len = next(17) as usize;
             let frac_len = 1 + next(17) as usize;
-            let mut lit = String::new();
-            if next(2) == 0 {
-                lit.push('-');
-            }
+            let mut int = String::new();
             if int_len == 0 {
-                lit.push('0');
+                int.push('0');
             } else {
-                lit.push(char::from(b'1' + next(9) as u8));
-                (1..int_len).for_each(|_| lit.push(char::from(b'0' + next(10) as u8)));
+                int.push(char::from(b'1' + next(9) as u8));
+                (1..int_len).for_each(|_| int.push(char::from(b'0' + next(10) as u8)));
             }
-            lit.push('.');
             let zeros = next(9) as usize;
-            (0..frac_len).for_each(|i| {
-                let d = if i < zeros { 0 } else { next(10) as u8 };
-                lit.push(char::from(b'0' + d));
-            });
-            if plain_decimal_is_canonical(&lit) {
+            let frac: String = (0..frac_len)
+                .map(|i| char::from(b'0' + if i < zeros { 0 } else { next(10) as u8 }))
+                .collect();
+            if plain_decimal_is_canonical(int.as_bytes(), frac.as_bytes()) {
                 fast += 1;
+                let lit = format!("{int}.{frac}");
                 let v: f64 = lit.parse().unwrap();
-                let mut buf = ryu_js::Buffer::new();
-                assert_eq!(buf.format_finite(v), lit, "fast path disagrees");
+                assert_eq!(
+                    ryu_js::Buffer::new().format_finite(v),
+                    lit,
+                    "fast path disagrees"
+                );
             }
         }
         assert!(fast > 10_000, "the fast path was exercised {fast} times");
     }
 
     #[test]
-    fn key_order_fast_path_agrees_with_utf16_order() {
+    fn large_objects_sort_and_refuse_duplicates_too() {
+        let keys: Vec<String> = (0..40).map(|k| format!("k{:02}", (k * 17) % 40)).collect();
+        let doc = |keys: &[String]| {
+            let members: Vec<String> = keys
+                .iter()
+                .map(|k| format!("\"{k}\":[{{\"b\":1,\"a\":2}}]"))
+                .collect();
+            format!("{{{}}}", members.join(","))
+        };
+        let mut sorted = keys.clone();
+        sorted.sort();
+        let expected = doc(&sorted).replace("{\"b\":1,\"a\":2}", "{\"a\":2,\"b\":1}");
+        assert_eq!(jcs(&doc(&keys)).unwrap(), expected);
+        // With whitespace the members are rewritten from the output, not the input.
+        assert_eq!(jcs(&doc(&keys).replace(',', " , ")).unwrap(), expected);
+        let mut twice = keys.clone();
+        twice[39] = twice[3].clone();
+        assert_eq!(jcs(&doc(&twice)), None);
+    }
+
+    #[test]
+    fn keys_sort_by_utf16_code_units() {
         let keys = [
             "a",
             "b",
@@ -828,13 +2050,26 @@ mod tests {
             "z\u{1f600}",
             "z\u{e000}",
             "",
+            "\"",
+            "\\",
+            "\n",
         ];
         for a in keys {
             for b in keys {
-                assert_eq!(
-                    utf16_cmp(a, b),
-                    a.encode_utf16().cmp(b.encode_utf16()),
-                    "{a:?} vs {b:?}"
+                if a == b {
+                    continue;
+                }
+                let doc = format!(
+                    "{{{}:1,{}:2}}",
+                    serde_json::to_string(a).unwrap(),
+                    serde_json::to_string(b).unwrap()
+                );
+                let out = jcs(&doc).unwrap();
+                let first_a = a.encode_utf16().cmp(b.encode_utf16()) == Ordering::Less;
+                let expected = if first_a { "1,\"" } else { "2,\"" };
+                assert!(
+                    out.contains(&format!(":{expected}")),
+                    "{a:?} vs {b:?}: {out}"
                 );
             }
         }
@@ -846,16 +2081,48 @@ mod tests {
             JsonPointer::parse("/meta/request_time").unwrap(),
             JsonPointer::parse("/items/0/note").unwrap(),
             JsonPointer::parse("/a~1b").unwrap(),
+            JsonPointer::parse("/list/1").unwrap(),
+            JsonPointer::parse("/q\"t").unwrap(),
         ];
+        // Excluded members are dropped before duplicates are looked for: `q"t` twice, both
+        // excluded, leaves nothing to merge.
         let out = canonical_json(
-            br#"{"a/b":1,"items":[{"note":"x","sku":"s"}],"meta":{"request_time":"t","z":1},"k":2}"#,
+            br#"{"a/b":1,"items":[{"note":"x","sku":"s"},{"note":"y"}],"meta":{"request_time":"t","z":1},"k":2,"list":[0,{"x":1},2],"q\u0022t":3,"\u0071\"t":4}"#,
             &ptrs,
         )
         .unwrap();
-        assert_eq!(out, br#"{"items":[{"sku":"s"}],"k":2,"meta":{"z":1}}"#);
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            r#"{"items":[{"sku":"s"},{"note":"y"}],"k":2,"list":[0,2],"meta":{"z":1}}"#
+        );
+        // A duplicate that is not excluded still falls back.
+        assert_eq!(
+            canonical_json(br#"{"meta":{"z":1},"meta":{"z":2}}"#, &ptrs),
+            None
+        );
+        // An excluded field's value does not count, whatever it is.
+        assert_eq!(
+            canonical_json(br#"{"t":1,"v":2}"#, &ptrs[..1]),
+            canonical_json(br#"{"v":2,"t":1}"#, &ptrs[..1])
+        );
+        assert_eq!(
+            canonical_json(br#"{"meta":{"request_time":1},"v":2}"#, &ptrs[..1]),
+            canonical_json(br#"{"v":2,"meta":{"request_time":[3]}}"#, &ptrs[..1])
+        );
         assert!(JsonPointer::parse("").is_err());
         assert!(JsonPointer::parse("a").is_err());
         assert!(JsonPointer::parse("/a~2").is_err());
+    }
+
+    fn fp(
+        build: impl FnOnce(http::request::Builder) -> http::request::Builder,
+        body: &[u8],
+    ) -> Fingerprint {
+        let (parts, ()) = build(http::Request::post("/v1/things"))
+            .body(())
+            .unwrap()
+            .into_parts();
+        fingerprint(&parts, &parts.uri, body, &FingerprintConfig::default())
     }
 
     fn grpc_fp(path: &str, content_type: &str, encoding: Option<&str>, body: &[u8]) -> Fingerprint {
@@ -864,7 +2131,7 @@ mod tests {
             req = req.header("grpc-encoding", e);
         }
         let (parts, ()) = req.body(()).unwrap().into_parts();
-        fingerprint(&parts, body, &FingerprintConfig::default())
+        fingerprint(&parts, &parts.uri, body, &FingerprintConfig::default())
     }
 
     #[test]
@@ -892,15 +2159,548 @@ mod tests {
     }
 
     #[test]
-    fn form_pairs_sort_and_bad_escapes_fall_back() {
+    fn the_target_uri_is_hashed_not_the_one_in_parts() {
+        let (parts, ()) = http::Request::post("/inner").body(()).unwrap().into_parts();
+        let cfg = FingerprintConfig::default();
+        let outer: Uri = "/api/inner?x=1".parse().unwrap();
+        assert_ne!(
+            fingerprint(&parts, &parts.uri, b"", &cfg),
+            fingerprint(&parts, &outer, b"", &cfg)
+        );
+        let (other, ()) = http::Request::post("/elsewhere")
+            .body(())
+            .unwrap()
+            .into_parts();
+        assert_eq!(
+            fingerprint(&parts, &outer, b"", &cfg),
+            fingerprint(&other, &outer, b"", &cfg)
+        );
+    }
+
+    #[test]
+    fn media_type_parameters_count_normalised() {
+        let ct = |v: &'static str| move |b: http::request::Builder| b.header("content-type", v);
+        let form = b"a=%E9";
+        let latin1 = fp(
+            ct("application/x-www-form-urlencoded; charset=ISO-8859-1"),
+            form,
+        );
+        let utf8 = fp(ct("application/x-www-form-urlencoded; charset=utf-8"), form);
+        assert_ne!(latin1, utf8);
+        assert_ne!(utf8, fp(ct("application/x-www-form-urlencoded"), form));
+        // Case of names and of charset values, quoting, spacing and order do not count.
+        assert_eq!(
+            latin1,
+            fp(
+                ct("Application/X-WWW-Form-URLEncoded;CHARSET=\"iso-8859-1\""),
+                form
+            )
+        );
+        let json = br#"{"a":1}"#;
+        assert_eq!(
+            fp(ct("application/json; charset=utf-8; v=2"), json),
+            fp(
+                ct("application/json;v=2 ;  Charset=UTF-8"),
+                br#"{ "a" : 1 }"#
+            )
+        );
+        // Other values keep their case: a multipart boundary is case-sensitive.
+        assert_ne!(
+            fp(ct("multipart/form-data; boundary=AbC"), b"x"),
+            fp(ct("multipart/form-data; boundary=abc"), b"x")
+        );
+        // Repeated parameters keep their order.
+        assert_ne!(
+            fp(ct("text/plain; p=1; p=2"), b"x"),
+            fp(ct("text/plain; p=2; p=1"), b"x")
+        );
+        // Absent, unparsable and several field lines are each their own.
+        let none = fp(|b| b, b"x");
+        let bad = fp(ct("text/plain; ="), b"x");
+        let two = fp(
+            |b| {
+                b.header("content-type", "text/plain")
+                    .header("content-type", "text/html")
+            },
+            b"x",
+        );
+        assert_ne!(none, bad);
+        assert_ne!(bad, two);
+        assert_ne!(none, fp(ct("text/plain"), b"x"));
+    }
+
+    #[test]
+    fn content_encoding_counts_and_encoded_bodies_are_hashed_raw() {
+        let json = |enc: Option<&'static str>, body: &'static [u8]| {
+            fp(
+                move |b| {
+                    let b = b.header("content-type", "application/json");
+                    match enc {
+                        Some(e) => b.header("content-encoding", e),
+                        None => b,
+                    }
+                },
+                body,
+            )
+        };
+        let plain = json(None, br#"{"a":1}"#);
+        assert_eq!(plain, json(Some("identity"), br#"{"a":1}"#));
+        assert_ne!(plain, json(Some("gzip"), br#"{"a":1}"#));
+        assert_eq!(json(Some("GZip, br"), b"x"), json(Some("gzip,br"), b"x"));
+        assert_ne!(json(Some("gzip, br"), b"x"), json(Some("br, gzip"), b"x"));
+        // Under a coding the bytes are not the JSON they decode to: no canonicalising.
+        assert_eq!(plain, json(None, br#"{ "a": 1 }"#));
+        assert_ne!(
+            json(Some("x-custom"), br#"{"a":1}"#),
+            json(Some("x-custom"), br#"{ "a": 1 }"#)
+        );
+    }
+
+    #[test]
+    fn form_pairs_sort_by_name_only_and_bad_escapes_fall_back() {
         assert_eq!(
             canonical_form(b"b=2&a=1+x"),
             canonical_form(b"a=1%20x&&b=2")
         );
         assert_ne!(canonical_form(b"a=1&b=2"), canonical_form(b"a=2&b=1"));
+        // Values keep their order within a name.
+        assert_ne!(canonical_form(b"a=1&a=2"), canonical_form(b"a=2&a=1"));
+        assert_eq!(
+            canonical_form(b"a=1&b=0&a=2"),
+            canonical_form(b"b=0&a=1&a=2")
+        );
         assert_eq!(canonical_form(b"a=%zz"), None);
         assert_eq!(canonical_form(b"a=%2"), None);
+        assert_eq!(canonical_form(b"a=%"), None);
         // Pairs are length-prefixed: "a=b&c" differs from "a=b%26c".
         assert_ne!(canonical_form(b"a=b&c"), canonical_form(b"a=b%26c"));
     }
+
+    // -----------------------------------------------------------------------------------
+    // Property tests: a model of JSON values, and random spellings of each.
+    // -----------------------------------------------------------------------------------
+
+    /// A JSON value by meaning: numbers as exact decimals (`digits` without leading or
+    /// trailing zeros, empty for zero, times 10^`exp`), strings as UTF-16 code units (lone
+    /// surrogates included), objects with distinct keys.
+    #[derive(Clone, Debug, PartialEq)]
+    enum J {
+        Null,
+        Bool(bool),
+        Num {
+            negative: bool,
+            digits: Vec<u8>,
+            exp: i32,
+        },
+        Str(Vec<u16>),
+        Arr(Vec<J>),
+        Obj(Vec<(Vec<u16>, J)>),
+    }
+
+    impl J {
+        /// Objects sorted, so that `==` on the result is equality of meaning.
+        fn meaning(&self) -> J {
+            match self {
+                J::Arr(items) => J::Arr(items.iter().map(J::meaning).collect()),
+                J::Obj(members) => {
+                    let mut m: Vec<_> = members
+                        .iter()
+                        .map(|(k, v)| (k.clone(), v.meaning()))
+                        .collect();
+                    m.sort_by(|a, b| a.0.cmp(&b.0));
+                    J::Obj(m)
+                }
+                other => other.clone(),
+            }
+        }
+
+        fn leaves(&self) -> usize {
+            match self {
+                J::Arr(items) => 1 + items.iter().map(J::leaves).sum::<usize>(),
+                J::Obj(members) => 1 + members.iter().map(|(_, v)| v.leaves()).sum::<usize>(),
+                _ => 1,
+            }
+        }
+
+        /// Replaces the `n`th node (pre-order) with `with`.
+        fn replace(&mut self, n: &mut usize, with: &J) -> bool {
+            if *n == 0 {
+                *self = with.clone();
+                return true;
+            }
+            *n -= 1;
+            match self {
+                J::Arr(items) => items.iter_mut().any(|v| v.replace(n, with)),
+                J::Obj(members) => members.iter_mut().any(|(_, v)| v.replace(n, with)),
+                _ => false,
+            }
+        }
+    }
+
+    fn number() -> impl Strategy<Value = J> {
+        (
+            any::<bool>(),
+            prop::collection::vec(0u8..10, 0..25),
+            -30i32..30,
+            0usize..4,
+        )
+            .prop_map(|(negative, mut digits, exp, pick)| {
+                // Bias towards doubles' own shortest forms, so both kinds of output occur.
+                if pick == 0 {
+                    let x = f64::from_bits(
+                        digits
+                            .iter()
+                            .fold(0u64, |n, &d| n.wrapping_mul(10_007).wrapping_add(d.into()))
+                            ^ 0x4000_0000_0000_0000,
+                    );
+                    let s = if x.is_finite() {
+                        format!("{x:e}")
+                    } else {
+                        "1e0".to_owned()
+                    };
+                    let (m, e) = s.split_once('e').unwrap();
+                    let e: i32 = e.parse().unwrap();
+                    let frac = m.split_once('.').map_or(0, |(_, f)| f.len()) as i32;
+                    digits = m
+                        .bytes()
+                        .filter(u8::is_ascii_digit)
+                        .map(|b| b - b'0')
+                        .collect();
+                    return normal_number(m.starts_with('-') ^ negative, digits, e - frac);
+                }
+                normal_number(negative, digits, exp)
+            })
+    }
+
+    fn normal_number(negative: bool, mut digits: Vec<u8>, mut exp: i32) -> J {
+        while digits.first() == Some(&0) {
+            digits.remove(0);
+        }
+        while digits.last() == Some(&0) {
+            digits.pop();
+            exp += 1;
+        }
+        if digits.is_empty() {
+            return J::Num {
+                negative: false,
+                digits,
+                exp: 0,
+            };
+        }
+        J::Num {
+            negative,
+            digits,
+            exp,
+        }
+    }
+
+    fn unit() -> impl Strategy<Value = u16> {
+        prop_oneof![
+            4 => 0x20u16..0x7f,
+            1 => 0u16..0x20,
+            1 => 0x80u16..0x800,
+            1 => 0xd800u16..0xe000,
+            1 => 0xe000u16..=0xffff,
+        ]
+    }
+
+    fn key() -> impl Strategy<Value = Vec<u16>> {
+        prop::collection::vec(prop_oneof![4 => 0x61u16..0x64, 1 => unit()], 0..4)
+    }
+
+    fn json() -> impl Strategy<Value = J> {
+        let leaf = prop_oneof![
+            Just(J::Null),
+            any::<bool>().prop_map(J::Bool),
+            number(),
+            prop::collection::vec(unit(), 0..6).prop_map(J::Str),
+        ];
+        leaf.prop_recursive(4, 48, 6, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..6).prop_map(J::Arr),
+                prop::collection::vec((key(), inner), 0..6).prop_map(|mut m| {
+                    let mut seen = std::collections::HashSet::new();
+                    m.retain(|(k, _)| seen.insert(k.clone()));
+                    J::Obj(m)
+                }),
+            ]
+        })
+    }
+
+    /// Writes `j` as JSON text, choosing whitespace, member order, escapes and number
+    /// spellings from `seed`.
+    struct Speller(u64);
+
+    impl Speller {
+        fn pick(&mut self, n: u64) -> u64 {
+            self.0 = self
+                .0
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (self.0 >> 33) % n
+        }
+
+        fn ws(&mut self, out: &mut String) {
+            for _ in 0..self.pick(3) {
+                out.push([' ', '\n', '\t', '\r'][self.pick(4) as usize]);
+            }
+        }
+
+        fn write(&mut self, j: &J, out: &mut String) {
+            self.ws(out);
+            match j {
+                J::Null => out.push_str("null"),
+                J::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+                J::Num {
+                    negative,
+                    digits,
+                    exp,
+                } => self.number(*negative, digits, *exp, out),
+                J::Str(units) => self.string(units, out),
+                J::Arr(items) => {
+                    out.push('[');
+                    for (i, v) in items.iter().enumerate() {
+                        if i > 0 {
+                            out.push(',');
+                        }
+                        self.write(v, out);
+                    }
+                    self.ws(out);
+                    out.push(']');
+                }
+                J::Obj(members) => {
+                    let mut order: Vec<usize> = (0..members.len()).collect();
+                    for i in (1..order.len()).rev() {
+                        order.swap(i, self.pick(i as u64 + 1) as usize);
+                    }
+                    out.push('{');
+                    for (n, &i) in order.iter().enumerate() {
+                        if n > 0 {
+                            out.push(',');
+                        }
+                        self.ws(out);
+                        self.string(&members[i].0, out);
+                        self.ws(out);
+                        out.push(':');
+                        self.write(&members[i].1, out);
+                    }
+                    self.ws(out);
+                    out.push('}');
+                }
+            }
+            self.ws(out);
+        }
+
+        fn number(&mut self, negative: bool, digits: &[u8], exp: i32, out: &mut String) {
+            if negative || (digits.is_empty() && self.pick(2) == 0) {
+                out.push('-');
+            }
+            if digits.is_empty() {
+                out.push('0');
+                if self.pick(2) == 0 {
+                    out.push('.');
+                    (0..=self.pick(3)).for_each(|_| out.push('0'));
+                }
+                if self.pick(2) == 0 {
+                    out.push_str(["e5", "E-0", "e+12"][self.pick(3) as usize]);
+                }
+                return;
+            }
+            let mut d: Vec<u8> = digits.to_vec();
+            let mut e = exp as i64;
+            let zeros = self.pick(3);
+            d.extend(std::iter::repeat_n(0, zeros as usize));
+            e -= zeros as i64;
+            if d.is_empty() {
+                d.push(0);
+            }
+            // Digits before the point: none ("0.ddd", with leading zeros) to all.
+            let point = self.pick(d.len() as u64 + 1) as usize;
+            if point == 0 {
+                out.push('0');
+                out.push('.');
+                for _ in 0..self.pick(3) {
+                    out.push('0');
+                    e += 1;
+                }
+            } else {
+                out.extend(d[..point].iter().map(|&x| char::from(b'0' + x)));
+                if point < d.len() {
+                    out.push('.');
+                }
+            }
+            out.extend(d[point..].iter().map(|&x| char::from(b'0' + x)));
+            e += (d.len() - point) as i64;
+            if e != 0 || self.pick(2) == 0 {
+                out.push(if self.pick(2) == 0 { 'e' } else { 'E' });
+                match (e < 0, self.pick(2)) {
+                    (true, _) => out.push('-'),
+                    (false, 0) => out.push('+'),
+                    _ => {}
+                }
+                for _ in 0..self.pick(2) {
+                    out.push('0');
+                }
+                out.push_str(&e.unsigned_abs().to_string());
+            }
+        }
+
+        fn string(&mut self, units: &[u16], out: &mut String) {
+            out.push('"');
+            for c in char::decode_utf16(units.iter().copied()) {
+                match c {
+                    Ok(c) if c >= ' ' && c != '"' && c != '\\' && self.pick(3) > 0 => out.push(c),
+                    Ok(c) => {
+                        let short = match c {
+                            '"' => Some("\\\""),
+                            '\\' => Some("\\\\"),
+                            '/' => Some("\\/"),
+                            '\n' => Some("\\n"),
+                            '\t' => Some("\\t"),
+                            '\r' => Some("\\r"),
+                            '\u{8}' => Some("\\b"),
+                            '\u{c}' => Some("\\f"),
+                            _ => None,
+                        };
+                        match short {
+                            Some(s) if self.pick(2) == 0 => out.push_str(s),
+                            _ => {
+                                let mut buf = [0; 2];
+                                for u in c.encode_utf16(&mut buf) {
+                                    self.unit_escape(*u, out);
+                                }
+                            }
+                        }
+                    }
+                    Err(e) => self.unit_escape(e.unpaired_surrogate(), out),
+                }
+            }
+            out.push('"');
+        }
+
+        fn unit_escape(&mut self, u: u16, out: &mut String) {
+            if self.pick(2) == 0 {
+                out.push_str(&format!("\\u{u:04x}"));
+            } else {
+                out.push_str(&format!("\\u{u:04X}"));
+            }
+        }
+    }
+
+    fn spell(j: &J, seed: u64) -> String {
+        let mut out = String::new();
+        Speller(seed).write(j, &mut out);
+        out
+    }
+
+    proptest! {
+        // Bounded so the in-CI run takes a few seconds; raise with PROPTEST_CASES locally.
+        #![proptest_config(ProptestConfig {
+            cases: std::env::var("PROPTEST_CASES").ok().and_then(|n| n.parse().ok()).unwrap_or(384),
+            ..ProptestConfig::default()
+        })]
+
+        #[test]
+        fn equivalent_spellings_share_one_canonical_form(j in json(), s1 in any::<u64>(), s2 in any::<u64>()) {
+            let (a, b) = (spell(&j, s1), spell(&j, s2));
+            let ca = jcs(&a);
+            prop_assert!(ca.is_some(), "not canonicalised: {a}");
+            prop_assert_eq!(ca, jcs(&b), "{} vs {}", a, b);
+        }
+
+        #[test]
+        fn any_change_of_meaning_changes_the_canonical_form(
+            j in json(), with in json(), at in any::<usize>(), s1 in any::<u64>(), s2 in any::<u64>(),
+        ) {
+            let mut changed = j.clone();
+            let mut n = at % j.leaves();
+            changed.replace(&mut n, &with);
+            prop_assume!(changed.meaning() != j.meaning());
+            let (a, b) = (spell(&j, s1), spell(&changed, s2));
+            prop_assert_ne!(jcs(&a), jcs(&b), "{} vs {}", a, b);
+        }
+
+        #[test]
+        fn decimals_one_unit_apart_stay_apart(
+            digits in prop::collection::vec(0u8..10, 1..30), exp in -400i32..400,
+        ) {
+            // Most of these pairs parse to one double; only the exact form keeps them apart.
+            let mut other = digits.clone();
+            let n = digits.len() - 1;
+            other[n] = (other[n] + 1) % 10;
+            let spell = |d: &[u8]| format!("1{}e{exp}", d.iter().map(|&x| char::from(b'0' + x)).collect::<String>());
+            let (a, b) = (spell(&digits), spell(&other));
+            prop_assert_ne!(jcs(&a), jcs(&b), "{} vs {}", a, b);
+        }
+
+        #[test]
+        fn every_finite_double_is_written_as_rfc8785_writes_it(bits in any::<u64>()) {
+            let x = f64::from_bits(bits);
+            prop_assume!(x.is_finite());
+            let mut buf = ryu_js::Buffer::new();
+            let expected = buf.format_finite(x).to_owned();
+            prop_assert_eq!(jcs(&expected), Some(expected.clone()));
+            for spelling in [format!("{x:e}"), format!("{x}")] {
+                prop_assert_eq!(jcs(&spelling), Some(same_or_exact(&spelling, &expected)), "{}", spelling);
+            }
+        }
+
+        #[test]
+        fn the_plain_and_the_general_loop_agree(j in json(), seed in any::<u64>()) {
+            // A pointer no generated key matches sends the document through `Canon::run`.
+            let doc = spell(&j, seed);
+            let never = [JsonPointer::parse("/no key is this long").unwrap()];
+            let general = canonical_json(doc.as_bytes(), &never);
+            prop_assert_eq!(canonical_json(doc.as_bytes(), &[]), general, "{}", doc);
+        }
+
+        #[test]
+        fn no_input_panics(bytes in prop::collection::vec(any::<u8>(), 0..64)) {
+            let _ = canonical_json(&bytes, &[]);
+            let _ = canonical_form(&bytes);
+        }
+
+        #[test]
+        fn no_json_like_input_panics(tokens in prop::collection::vec(0usize..TOKENS.len(), 0..40)) {
+            let doc: String = tokens.iter().map(|&t| TOKENS[t]).collect();
+            let pointers = [JsonPointer::parse("/a").unwrap(), JsonPointer::parse("/0/a").unwrap()];
+            let plain = canonical_json(doc.as_bytes(), &[]);
+            let never = [JsonPointer::parse("/no key is this long").unwrap()];
+            prop_assert_eq!(plain, canonical_json(doc.as_bytes(), &never), "{}", doc);
+            let _ = canonical_json(doc.as_bytes(), &pointers);
+        }
+    }
+
+    const TOKENS: &[&str] = &[
+        "{",
+        "}",
+        "[",
+        "]",
+        ",",
+        ":",
+        "\"",
+        "\"a\"",
+        "\\",
+        "\\u",
+        "d800",
+        "DC00",
+        "0",
+        "-",
+        "1",
+        "9",
+        "e",
+        "E",
+        "+",
+        ".",
+        "9223372036854775807",
+        "9223372036854775808",
+        "true",
+        "null",
+        " ",
+        "\u{e9}",
+        "\u{1f600}",
+        "\\n",
+        "\\\"",
+        "00000000000000000000000000000000001",
+    ];
 }

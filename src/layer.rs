@@ -12,7 +12,6 @@ use tower_layer::Layer;
 use crate::error::{ConfigError, IdempotencyError};
 use crate::fingerprint::{FingerprintConfig, JsonPointer};
 use crate::policy::{DefaultRecordPolicy, RecordPolicy};
-use crate::response::default_recorded_headers;
 use crate::service::Idempotency;
 use crate::store::IdempotencyStore;
 
@@ -24,8 +23,10 @@ pub const MIN_LEASE: Duration = Duration::from_millis(100);
 ///
 /// The arithmetic: renewals are due every `lease / 3`, counted from the moment the claim was
 /// sent. A renewal that hangs is abandoned at its deadline, `lease / 6` later, half an
-/// interval before the next one is due, so one hung call never delays the next. Two
-/// renewals in a row can fail and the third still lands before the lease lapses. With the
+/// interval before the next one is due, so one hung call never delays the next. One renewal
+/// can fail and the next still lands with a third of the lease to spare; after two failures
+/// in a row the third is sent just as the local estimate of the lease ends, so it keeps the
+/// lease only if it reaches the store sooner than the claim did. With the
 /// default 30 s lease the deadline is 1 s (the cap: a healthy store answers in
 /// milliseconds); with a 2 s lease it is 333 ms.
 pub const DEFAULT_STORE_TIMEOUT_MAX: Duration = Duration::from_secs(1);
@@ -33,8 +34,8 @@ pub const DEFAULT_STORE_TIMEOUT_MAX: Duration = Duration::from_secs(1);
 /// How long a claim is held, how long an answer is kept, and how long one store call may take.
 ///
 /// - `lease` (default 30 s): how long a claim holds the key without news from its holder.
-///   The holder renews it every `lease / 3`, so two renewals in a row can fail before it
-///   lapses. A holder that crashes blocks retries (409) for at most one lease; then a retry
+///   The holder renews it every `lease / 3`, so one renewal can fail with a third of the
+///   lease to spare, and two in a row bring it to the edge. A holder that crashes blocks retries (409) for at most one lease; then a retry
 ///   with the same request takes over.
 /// - `ttl` (default 24 h): how long a completed answer is kept, counted from completion.
 /// - the store deadline (default `lease / 6`, at most [`DEFAULT_STORE_TIMEOUT_MAX`]): every
@@ -112,6 +113,18 @@ impl Default for Retention {
 }
 
 pub(crate) type ScopeFn = Arc<dyn Fn(&request::Parts) -> Option<String> + Send + Sync>;
+
+/// Where keys live: per scope, in one shared key space (an explicit choice), or not chosen yet.
+#[derive(Clone)]
+pub(crate) enum Scope {
+    /// Neither [`IdempotencyLayer::with_scope`] nor [`IdempotencyLayer::unscoped`] was called:
+    /// keyed requests are refused (500 scope-missing) rather than share one key space.
+    Unset,
+    /// [`IdempotencyLayer::unscoped`]: every caller shares one key space.
+    Unscoped,
+    /// [`IdempotencyLayer::with_scope`].
+    Fn(ScopeFn),
+}
 pub(crate) type FilterFn = Arc<dyn Fn(&request::Parts) -> bool + Send + Sync>;
 pub(crate) type Renderer = Arc<dyn Fn(&IdempotencyError) -> Response<Bytes> + Send + Sync>;
 
@@ -122,19 +135,24 @@ pub(crate) struct Config {
     pub(crate) methods: Vec<Method>,
     pub(crate) filter: Option<FilterFn>,
     pub(crate) key_required: bool,
-    pub(crate) scope: Option<ScopeFn>,
+    pub(crate) scope: Scope,
     pub(crate) max_request_body: usize,
     pub(crate) max_response_body: usize,
+    pub(crate) request_body_timeout: Duration,
     pub(crate) retention: Retention,
     pub(crate) fingerprint: FingerprintConfig,
-    pub(crate) recorded_headers: Vec<HeaderName>,
+    pub(crate) unrecorded_headers: Vec<HeaderName>,
     pub(crate) policy: Arc<dyn RecordPolicy>,
     pub(crate) fail_open: bool,
+    pub(crate) quota_fail_open: bool,
     pub(crate) release_on_no_store: bool,
     pub(crate) wait: Option<Duration>,
+    pub(crate) max_waiters: usize,
+    pub(crate) waiters: Arc<crate::service::Waiters>,
     pub(crate) in_progress_retry_after: Duration,
     pub(crate) renderer: Option<Renderer>,
     pub(crate) max_grpc_request_body: usize,
+    pub(crate) grpc: bool,
     pub(crate) grpc_methods: Option<Vec<String>>,
     pub(crate) grpc_passthrough: Vec<String>,
     /// The `route` metric label when no matched route is known.
@@ -190,18 +208,10 @@ fn grpc_path_matches(pattern: &str, path: &str) -> bool {
 }
 
 impl Config {
-    /// The response headers a record keeps: the one rule for the layer and for handlers
-    /// that record their own answer.
-    pub(crate) fn recorded_headers(
-        &self,
-        grpc: bool,
-        headers: &http::HeaderMap,
-    ) -> http::HeaderMap {
-        if grpc {
-            crate::response::grpc_recorded_headers(headers)
-        } else {
-            crate::response::recorded_headers(headers, &self.recorded_headers)
-        }
+    /// The response headers (or trailers) a record keeps: the one rule for both protocols,
+    /// for the layer and for handlers that record their own answer.
+    pub(crate) fn recorded_headers(&self, headers: &http::HeaderMap) -> http::HeaderMap {
+        crate::response::recorded_headers(headers, &self.unrecorded_headers)
     }
 
     /// Whether a gRPC request to `path` is protected: in `grpc_methods` (all when unset)
@@ -247,7 +257,7 @@ impl fmt::Debug for IdempotencyLayer {
             .field("header", &c.header)
             .field("methods", &c.methods)
             .field("key_required", &c.key_required)
-            .field("scoped", &c.scope.is_some())
+            .field("scoped", &matches!(c.scope, Scope::Fn(_)))
             .field("max_request_body", &c.max_request_body)
             .field("max_response_body", &c.max_response_body)
             .field("retention", &c.retention)
@@ -259,9 +269,9 @@ impl fmt::Debug for IdempotencyLayer {
 
 impl IdempotencyLayer {
     /// A layer over `store` with the defaults: `Idempotency-Key` required on `POST` and
-    /// `PATCH` and on every gRPC method (except health checks and reflection), unscoped,
-    /// 1 MiB request and response limits (4 MiB for gRPC requests), a 30 s lease, 24 h
-    /// retention, fail closed, answer 409 (gRPC `ABORTED`) while in progress.
+    /// `PATCH`, no scope chosen yet (choose with [`with_scope`](Self::with_scope)), HTTP
+    /// only (gRPC with [`with_grpc`](Self::with_grpc)), 1 MiB request and response limits,
+    /// a 30 s lease, 24 h retention, fail closed, answer 409 while in progress.
     pub fn new(store: impl IdempotencyStore) -> Self {
         Self::from_arc(Arc::new(store))
     }
@@ -275,19 +285,24 @@ impl IdempotencyLayer {
                 methods: vec![Method::POST, Method::PATCH],
                 filter: None,
                 key_required: true,
-                scope: None,
+                scope: Scope::Unset,
                 max_request_body: 1 << 20,
                 max_response_body: 1 << 20,
+                request_body_timeout: Duration::from_secs(30),
                 retention: Retention::default(),
                 fingerprint: FingerprintConfig::default(),
-                recorded_headers: default_recorded_headers(),
+                unrecorded_headers: Vec::new(),
                 policy: Arc::new(DefaultRecordPolicy),
                 fail_open: false,
+                quota_fail_open: false,
                 release_on_no_store: false,
                 wait: None,
+                max_waiters: 1024,
+                waiters: Arc::default(),
                 in_progress_retry_after: Duration::MAX,
                 renderer: None,
                 max_grpc_request_body: 4 << 20,
+                grpc: false,
                 grpc_methods: None,
                 grpc_passthrough: DEFAULT_GRPC_PASSTHROUGH.map(String::from).to_vec(),
                 route_label: std::borrow::Cow::Borrowed("unnamed"),
@@ -322,7 +337,9 @@ impl IdempotencyLayer {
     ///
     /// ```
     /// # use tower_idempotency::{store::MemoryStore, IdempotencyLayer};
+    /// # #[derive(Clone)] struct Tenant(String);
     /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .with_scope(|req| req.extensions.get::<Tenant>().map(|t| t.0.clone()))
     ///     .with_filter(|req| !req.uri.path().starts_with("/webhooks/"));
     /// # drop(layer);
     /// ```
@@ -344,9 +361,15 @@ impl IdempotencyLayer {
 
     /// Scopes keys, so that the same key from two scopes names two records.
     ///
-    /// `scope` reads the request head: a tenant or principal an auth layer put into the
-    /// extensions, or a header. Without a scope function every caller shares one key space:
-    /// one client's key can then collide with, and replay, another's answer.
+    /// Every layer needs a scope function, or an explicit [`unscoped`](Self::unscoped):
+    /// until one is chosen, keyed requests are refused with 500
+    /// ([`ErrorKind::ScopeMissing`](crate::ErrorKind::ScopeMissing)) and nothing runs.
+    ///
+    /// `scope` reads the request head: the principal an auth layer (placed outside this one)
+    /// put into the extensions. The scope is who may see a recorded answer: a retry with the
+    /// same key in the same scope gets the first answer, whoever sends it. Scope by the
+    /// principal that may read the answer (a user, or a tenant if every user of a tenant may),
+    /// never by an unauthenticated header. See [security](crate::security).
     ///
     /// When `scope` returns `None` the layer answers 500 ([`ErrorKind::ScopeMissing`](crate::ErrorKind::ScopeMissing))
     /// and runs nothing: that means the layer runs before the one that sets the scope.
@@ -354,7 +377,18 @@ impl IdempotencyLayer {
     where
         F: Fn(&request::Parts) -> Option<String> + Send + Sync + 'static,
     {
-        self.edit(|c| c.scope = Some(Arc::new(scope)))
+        self.edit(|c| c.scope = Scope::Fn(Arc::new(scope)))
+    }
+
+    /// Shares one key space among all callers, on purpose: a service with a single trusted
+    /// caller, or one where every caller may see every answer.
+    ///
+    /// Anyone who sends a key another caller used gets that caller's answer replayed (or
+    /// learns, from a 422, that the key exists), and can claim a key first to make another
+    /// caller's request fail. Logs a warning once, here. Prefer [`with_scope`](Self::with_scope).
+    pub fn unscoped(self) -> Self {
+        tracing::warn!("idempotency layer built unscoped: every caller shares one key space and can replay another's answer; use with_scope to separate callers");
+        self.edit(|c| c.scope = Scope::Unscoped)
     }
 
     /// The largest request body buffered for fingerprinting (default 1 MiB); larger: 413.
@@ -369,6 +403,16 @@ impl IdempotencyLayer {
     /// largest client-streaming request the layer protects.
     pub fn with_max_grpc_request_body(self, limit: NonZeroUsize) -> Self {
         self.edit(|c| c.max_grpc_request_body = limit.get())
+    }
+
+    /// How long a keyed request's whole body may take to arrive (default 30 s); slower: 408
+    /// ([`ErrorKind::BodyTimeout`](crate::ErrorKind::BodyTimeout), gRPC `DEADLINE_EXCEEDED`),
+    /// and nothing is claimed.
+    ///
+    /// Keyed bodies are buffered before the handler runs, so this bounds how long a slow
+    /// client can hold up to the body limit in memory.
+    pub fn with_request_body_timeout(self, timeout: Duration) -> Self {
+        self.edit(|c| c.request_body_timeout = timeout)
     }
 
     /// The largest response body recorded (default 1 MiB). A larger one streams to the client
@@ -392,14 +436,18 @@ impl IdempotencyLayer {
         self.edit(|c| c.fingerprint.headers.push(name))
     }
 
-    /// Records and replays `name` too, beyond the default allow-list.
+    /// Leaves the response header or trailer `name` out of every record, so replays do not
+    /// carry it (a per-response id, a timing header, anything that names the first caller).
     ///
-    /// HTTP only: a gRPC record keeps every response header but the connection's own, see
-    /// the [tonic guide](crate::tonic_guide#recording-and-replay).
-    pub fn with_recorded_header(self, name: HeaderName) -> Self {
+    /// A record keeps every response header and trailer, on HTTP and gRPC alike, except the
+    /// connection's own (`connection`, `keep-alive`, `proxy-connection`, `transfer-encoding`,
+    /// `upgrade`, `te`, `trailer`), `content-length`, `date`, `set-cookie` and the names
+    /// given here. `Set-Cookie` is never recorded: a replay would hand one caller's session
+    /// to whoever retries with the key.
+    pub fn with_unrecorded_header(self, name: HeaderName) -> Self {
         self.edit(|c| {
-            if !c.recorded_headers.contains(&name) {
-                c.recorded_headers.push(name);
+            if !c.unrecorded_headers.contains(&name) {
+                c.unrecorded_headers.push(name);
             }
         })
     }
@@ -429,10 +477,31 @@ impl IdempotencyLayer {
         self.edit(|c| c.fail_open = fail_open)
     }
 
+    /// When the store refuses a claim because the caller's scope is over its per-scope quota
+    /// (see [`MemoryStoreBuilder::max_records_per_scope`](crate::store::memory::MemoryStoreBuilder::max_records_per_scope)),
+    /// run that caller's request unprotected instead of answering 429
+    /// ([`ErrorKind::QuotaExceeded`](crate::ErrorKind::QuotaExceeded), gRPC
+    /// `RESOURCE_EXHAUSTED`). Default `false`. Other scopes are unaffected either way.
+    pub fn with_quota_fail_open(self, fail_open: bool) -> Self {
+        self.edit(|c| c.quota_fail_open = fail_open)
+    }
+
     /// While the first attempt runs, make a retry wait up to `max` for its answer, then
     /// replay it. Past `max` the retry gets 409 as without waiting.
+    ///
+    /// Waiting duplicates of one key are coalesced within the process: one poll of the
+    /// store per key, with jitter, however many wait. At most
+    /// [`with_max_waiters`](Self::with_max_waiters) requests wait at once; the rest get
+    /// 409 at once.
     pub fn with_wait(self, max: Duration) -> Self {
         self.edit(|c| c.wait = Some(max))
+    }
+
+    /// How many requests may wait at once in [wait mode](Self::with_wait), over all keys
+    /// (default 1,024). Each waiter holds its buffered request body, so this bounds the
+    /// memory a burst of duplicates can take.
+    pub fn with_max_waiters(self, max: NonZeroUsize) -> Self {
+        self.edit(|c| c.max_waiters = max.get())
     }
 
     /// Caps the `Retry-After` of a 409 in-progress answer (gRPC: the `RetryInfo` delay) at
@@ -457,7 +526,20 @@ impl IdempotencyLayer {
         self.edit(|c| c.renderer = Some(Arc::new(render)))
     }
 
+    /// Serves gRPC: requests with a gRPC `Content-Type` are handled as gRPC (every method
+    /// protected but health checks and reflection, a 4 MiB request limit, errors as gRPC
+    /// statuses, answers recorded on `grpc-status`).
+    ///
+    /// Off by default: the client's `Content-Type` alone never switches a route to gRPC
+    /// handling, so an HTTP API cannot be made to skip its method check or take larger
+    /// bodies by a client claiming to speak gRPC. Without it a gRPC request is handled as
+    /// HTTP. In gRPC mode only `POST` (all gRPC calls) is protected.
+    pub fn with_grpc(self) -> Self {
+        self.edit(|c| c.grpc = true)
+    }
+
     /// Protects only these gRPC methods; every other gRPC request passes through untouched.
+    /// Turns gRPC handling on, as [`with_grpc`](Self::with_grpc) does.
     ///
     /// By default every gRPC method is protected (except the passthrough list). The layer
     /// cannot tell a unary method from a streaming one on the wire, so a service with
@@ -476,7 +558,10 @@ impl IdempotencyLayer {
             .into_iter()
             .map(|p| grpc_path(p.into()))
             .collect::<Result<_, _>>()?;
-        Ok(self.edit(|c| c.grpc_methods = Some(paths)))
+        Ok(self.edit(|c| {
+            c.grpc = true;
+            c.grpc_methods = Some(paths);
+        }))
     }
 
     /// Lets a gRPC method (`/package.Service/Method`), or a whole service (`/package.Service/`,

@@ -10,8 +10,9 @@
 //! untouched, with no buffering and no store call) the layer:
 //!
 //! 1. reads the key (a bare token or an RFC 8941 string, 1 to 255 visible ASCII characters);
-//! 2. buffers the body (up to 1 MiB) and fingerprints method, path and canonical body
-//!    (RFC 8785 JSON, sorted form pairs, or raw bytes);
+//! 2. buffers the body (up to 1 MiB) and fingerprints method, path, media type,
+//!    `Content-Encoding` and canonical body (RFC 8785 JSON with exact numbers, form pairs
+//!    sorted by name, or raw bytes);
 //! 3. claims the key in one atomic store operation;
 //! 4. runs the inner service on its own task, renewing its lease, so a client that hangs up
 //!    cannot cancel the work halfway;
@@ -40,14 +41,23 @@
 //!     *res.status_mut() = StatusCode::CREATED;
 //!     Ok::<_, Infallible>(res)
 //! });
+//! // Who is calling: an authentication layer outside this one puts it into the extensions.
+//! #[derive(Clone)]
+//! struct Principal(String);
+//!
 //! let svc = ServiceBuilder::new()
-//!     .layer(IdempotencyLayer::new(MemoryStore::new()))
+//!     .layer(
+//!         IdempotencyLayer::new(MemoryStore::new())
+//!             // One key space per principal: nobody else can replay its answers.
+//!             .with_scope(|req| req.extensions.get::<Principal>().map(|p| p.0.clone())),
+//!     )
 //!     .service(charge);
 //!
 //! let request = || {
 //!     Request::post("/v1/payments")
 //!         .header("idempotency-key", "order-1234-attempt")
 //!         .header("content-type", "application/json")
+//!         .extension(Principal("alice".into()))
 //!         .body(Full::new(Bytes::from(r#"{"amount":1000,"currency":"EUR"}"#)))
 //!         .unwrap()
 //! };
@@ -120,10 +130,10 @@
 //!     (StatusCode::CREATED, format!("charged with key {}", ctx.derive("card-network")))
 //! }
 //!
-//! let app: Router = Router::new().route(
-//!     "/v1/payments",
-//!     post(create_payment).layer(IdempotencyLayer::new(MemoryStore::new())),
-//! );
+//! # #[derive(Clone)] struct Tenant(String);
+//! let idempotency = IdempotencyLayer::new(MemoryStore::new())
+//!     .with_scope(|req| req.extensions.get::<Tenant>().map(|t| t.0.clone()));
+//! let app: Router = Router::new().route("/v1/payments", post(create_payment).layer(idempotency));
 //! # drop(app);
 //! # }
 //! ```
@@ -149,6 +159,13 @@
 //!   `record_in`) should use a connection pool of its own: the store's pool carries every
 //!   claim and renewal.
 //!
+//! # Security
+//!
+//! Keys are scoped: choose who shares a key space with
+//! [`IdempotencyLayer::with_scope`] (the principal, from an auth layer outside this one).
+//! [`security`] has the threat model (who can replay what), what the crate stores, the
+//! settings that bound memory and load, TLS to the stores and how to check advisories.
+//!
 //! # The client side
 //!
 //! The server side is half of it: clients must send one key per intent and retry with
@@ -172,7 +189,8 @@
 //! # Where to put the layer
 //!
 //! - **Inside authentication**, so that the scope function can read the principal from the
-//!   request extensions. Without a scope every caller shares one key space.
+//!   request extensions. A layer needs a scope ([`IdempotencyLayer::with_scope`]) or an
+//!   explicit [`IdempotencyLayer::unscoped`]; with neither, keyed requests get 500.
 //! - **Inside compression** (`CompressionLayer` outside this layer), so that records hold the
 //!   identity body and each replay is compressed for the retry's own `Accept-Encoding`.
 //! - **Outside timeouts is fine**: a `TimeoutLayer` outside drops the response future, but the
@@ -185,6 +203,8 @@
 //! |---|---|---|
 //! | `redis` | no | `store::redis` with the `redis` crate (1.x): single node and Cluster |
 //! | `postgres` | no | `store::postgres` with `tokio-postgres` and `deadpool-postgres` |
+//! | `redis-tls` | no | `rediss://` for the Redis store, with rustls ([`security`](crate::security#tls-to-the-stores)) |
+//! | `postgres-tls` | no | TLS for the Postgres store as `sslmode` says, with rustls |
 //! | `client` | no | `client`: the retry layer for clients, with `tower`'s retry and `httpdate` |
 //! | `axum` | no | [`IdempotencyContext`] as an axum extractor, and fingerprints of the path the client sent inside nested routers |
 //! | `conformance` | no | `conformance`: the store conformance suite, to test a custom store |
@@ -210,7 +230,8 @@
 //!   overwrites the record. Use [`IdempotencyContext::derive`] to give downstream calls their
 //!   own idempotency keys, so that a takeover repeats them harmlessly. One hung or failed
 //!   renewal is harmless: renewals run every `lease / 3` at fixed times, each under its own
-//!   deadline, so the lease lapses only after about three in a row fail.
+//!   deadline, so one failed renewal leaves a third of the lease to spare; after two in a
+//!   row the lease is at its edge (the [guarantees] page has the exact bound).
 //! - **An answer the store would not take.** When `complete` fails (or hangs past its
 //!   deadline) on every attempt until the lease ends, the client still gets its answer, but
 //!   the record stays in progress: retries get `409` until the lease lapses, and then the
@@ -229,6 +250,9 @@
 //! - Request trailers are not forwarded for keyed requests (the body is buffered).
 //! - Fingerprints are versioned (`v1`); a future version would make in-flight retries across
 //!   an upgrade answer `422`.
+//!
+//! [`guarantees`] spells out each window, the arithmetic behind the lease, renewal interval,
+//! store deadline and TTL, and every rejected input with its exact response.
 //!
 //! Errors the layer makes are responses, never `Err`: `problem+json` (RFC 9457) with a stable
 //! `type` per kind ([`problems`]) and `Cache-Control: no-store`, or a gRPC status for gRPC
@@ -270,7 +294,8 @@ pub use fingerprint::JsonPointer;
 pub use layer::{IdempotencyLayer, Retention, DEFAULT_STORE_TIMEOUT_MAX, MIN_LEASE, TTL_HEADER};
 pub use policy::{DefaultRecordPolicy, RecordDecision, RecordPolicy, ResponseInfo};
 pub use record::{
-    Completion, DecodeError, Fingerprint, Record, RecordId, RecordState, StoredResponse, Token,
+    Completion, DecodeError, Fingerprint, Record, RecordId, RecordState, ScopeId, StoredResponse,
+    Token,
 };
 pub use service::{Idempotency, ResponseFuture};
 
@@ -282,11 +307,13 @@ pub use service::{Idempotency, ResponseFuture};
 /// | 400 | [`key-invalid`](#key-invalid) | empty, > 255 characters, not visible ASCII, bad sf-string, or two field lines | `INVALID_ARGUMENT` |
 /// | 400 | [`body-unreadable`](#body-unreadable) | the request body failed while being read | `INVALID_ARGUMENT` |
 /// | 413 | [`body-too-large`](#body-too-large) | the body exceeds `max_request_body` | `RESOURCE_EXHAUSTED` |
+/// | 408 | [`body-timeout`](#body-timeout) | the body did not arrive within `request_body_timeout` | `DEADLINE_EXCEEDED` |
 /// | 409 | [`in-progress`](#in-progress) | the first request with this key still runs; `Retry-After` says when its lease ends | `ABORTED` |
 /// | 422 | [`key-reused`](#key-reused) | the key was used with a different request (body, path, method) | `FAILED_PRECONDITION` |
 /// | 410 | [`response-not-retained`](#response-not-retained) | the original completed, but its response was too large to keep | `ALREADY_EXISTS` |
+/// | 429 | [`quota-exceeded`](#quota-exceeded) | the caller's scope holds as many records as the store's per-scope quota allows | `RESOURCE_EXHAUSTED` |
 /// | 503 | [`store-unavailable`](#store-unavailable) | the store failed; nothing ran; `Retry-After: 1` | `UNAVAILABLE` |
-/// | 500 | [`scope-missing`](#scope-missing) | the scope function found no scope | `INTERNAL` |
+/// | 500 | [`scope-missing`](#scope-missing) | no scope configured, or the scope function found none | `INTERNAL` |
 ///
 /// Every problem carries `type`, `title`, `status` and `detail`; `in-progress` and
 /// `store-unavailable` add `retry_after` (seconds), `response-not-retained` adds
@@ -306,6 +333,10 @@ pub use service::{Idempotency, ResponseFuture};
 /// # body-too-large
 /// Protected requests are buffered to be fingerprinted. Nothing was claimed.
 ///
+/// # body-timeout
+/// The body arrived too slowly (default limit 30 s for the whole body). Nothing was claimed;
+/// retry.
+///
 /// # in-progress
 /// Retry after `Retry-After` seconds, with the same key and the same request.
 ///
@@ -315,22 +346,38 @@ pub use service::{Idempotency, ResponseFuture};
 /// # response-not-retained
 /// The operation completed with `original_status`; it was not run again.
 ///
+/// # quota-exceeded
+/// Your scope (tenant) holds as many idempotency records as the store allows it. Nothing was
+/// claimed or run. Records expire with the retention TTL; other tenants are not affected.
+///
 /// # store-unavailable
 /// The request was not processed. Retry after `Retry-After` seconds.
 ///
 /// # scope-missing
-/// A server configuration error: the idempotency layer runs before the layer that sets the
-/// scope (usually authentication).
+/// A server configuration error: the layer has no scope function (and was not made
+/// `unscoped()` on purpose), or it runs before the layer that sets the scope (usually
+/// authentication).
 pub mod problems {}
 
 #[doc = include_str!("docs/tonic.md")]
 pub mod tonic_guide {}
 
-/// Not public API: hooks for the benchmarks.
+#[doc = include_str!("docs/security.md")]
+pub mod security {}
+
+#[doc = include_str!("docs/guarantees.md")]
+pub mod guarantees {}
+
+/// Not public API: hooks for the benchmarks and the fuzz target (`fuzz/`).
 #[doc(hidden)]
 pub mod __bench {
     /// The RFC 8785 canonicaliser the fingerprint uses.
     pub fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
         crate::fingerprint::canonical_json(body, &[])
+    }
+
+    /// SHA-256 of the canonical JSON form of `body`, as the fingerprint computes it.
+    pub fn canonical_json_digest(body: &[u8]) -> Option<[u8; 32]> {
+        crate::fingerprint::canonical_json_digest(body)
     }
 }

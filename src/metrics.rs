@@ -102,12 +102,22 @@ impl Labels {
     /// Times one store call: recorded when the guard drops, so a call abandoned at its
     /// deadline counts too (by the time it was given).
     pub(crate) fn store_call(&self, operation: &'static str) -> StoreTimer {
-        StoreTimer {
-            #[cfg(feature = "metrics")]
-            store: self.store,
-            operation,
-            start: Instant::now(),
-        }
+        #[cfg(feature = "metrics")]
+        let store = self.store;
+        #[cfg(not(feature = "metrics"))]
+        let store = "";
+        store_timer(store, operation)
+    }
+}
+
+/// Times one call to the store named `store`, outside any one request (a shared poll).
+#[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+pub(crate) fn store_timer(store: &'static str, operation: &'static str) -> StoreTimer {
+    StoreTimer {
+        #[cfg(feature = "metrics")]
+        store,
+        operation,
+        start: Instant::now(),
     }
 }
 

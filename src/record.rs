@@ -53,6 +53,51 @@ impl RecordId {
     }
 }
 
+/// The scope a record belongs to, as a hash: what a store counts per-scope quotas by.
+///
+/// Like [`RecordId`], stores never see the scope itself. The unscoped space has an id of
+/// its own.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ScopeId([u8; 32]);
+
+impl ScopeId {
+    /// Derives the id of `scope` (`None` is the shared, unscoped space).
+    pub fn new(scope: Option<&str>) -> Self {
+        let mut h = Sha256::new();
+        h.update(b"tower-idempotency scope v1\0");
+        match scope {
+            None => h.update([0u8]),
+            Some(s) => {
+                h.update([1u8]);
+                h.update((s.len() as u64).to_be_bytes());
+                h.update(s.as_bytes());
+            }
+        }
+        Self(h.finalize().into())
+    }
+
+    /// Wraps 32 bytes read back from a store.
+    pub const fn from_bytes(bytes: [u8; 32]) -> Self {
+        Self(bytes)
+    }
+
+    /// The 32 raw bytes.
+    pub const fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
+    /// Lowercase hex, 64 characters.
+    pub fn to_hex(&self) -> String {
+        hex(&self.0)
+    }
+}
+
+impl fmt::Debug for ScopeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ScopeId({})", &self.to_hex()[..16])
+    }
+}
+
 impl fmt::Debug for RecordId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "RecordId({})", &self.to_hex()[..16])
@@ -65,7 +110,13 @@ impl fmt::Display for RecordId {
     }
 }
 
-/// The `v1` SHA-256 fingerprint of a request: method, path, canonical body and chosen headers.
+/// The `v1` SHA-256 fingerprint of a request: method, path and query, media type with its
+/// parameters, `Content-Encoding`, canonical body (RFC 8785 JSON with exact numbers, form
+/// pairs sorted stably by name, or raw bytes) and chosen headers.
+///
+/// `v1` is the first fingerprint any release computes; a release that changes what it
+/// covers or how bumps the version, and [`Display`](fmt::Display) prints it (`v1:` and 64
+/// hex digits).
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Fingerprint([u8; 32]);
 
@@ -341,6 +392,20 @@ fn need(buf: &Bytes, n: usize) -> Result<(), DecodeError> {
     }
 }
 
+/// The most fields (name-value pairs) one header or trailer map of a record may hold.
+pub(crate) const MAX_RECORDED_FIELDS: usize = 1024;
+/// The most bytes (names and values) one header or trailer map of a record may hold.
+pub(crate) const MAX_RECORDED_FIELD_BYTES: usize = 256 * 1024;
+
+/// Whether `headers` fits the record's caps; an answer that does not is kept as a tombstone.
+pub(crate) fn fits_record(headers: &HeaderMap) -> bool {
+    let bytes: usize = headers
+        .iter()
+        .map(|(n, v)| n.as_str().len() + v.len())
+        .sum();
+    headers.len() <= MAX_RECORDED_FIELDS && bytes <= MAX_RECORDED_FIELD_BYTES
+}
+
 /// Appends `headers` in the layout [`Completion::encode`] uses (a `u32` count, then pairs).
 pub(crate) fn put_headers(out: &mut Vec<u8>, headers: &HeaderMap) {
     out.put_u32(headers.len() as u32);
@@ -352,11 +417,17 @@ pub(crate) fn put_headers(out: &mut Vec<u8>, headers: &HeaderMap) {
     }
 }
 
-/// Reads headers written by [`put_headers`], advancing `buf`.
+/// Reads headers written by [`put_headers`], advancing `buf`. Stored bytes are not trusted:
+/// past the caps, or past what a `HeaderMap` can hold, this is an error, never a panic.
 pub(crate) fn get_headers(buf: &mut Bytes) -> Result<HeaderMap, DecodeError> {
     need(buf, 4)?;
     let count = buf.get_u32() as usize;
-    let mut headers = HeaderMap::with_capacity(count.min(64));
+    if count > MAX_RECORDED_FIELDS {
+        return Err(DecodeError("too many header fields"));
+    }
+    let mut headers = HeaderMap::try_with_capacity(count.min(64))
+        .map_err(|_| DecodeError("too many header fields"))?;
+    let mut bytes = 0usize;
     for _ in 0..count {
         need(buf, 2)?;
         let n = buf.get_u16() as usize;
@@ -366,9 +437,15 @@ pub(crate) fn get_headers(buf: &mut Bytes) -> Result<HeaderMap, DecodeError> {
         need(buf, 4)?;
         let v = buf.get_u32() as usize;
         need(buf, v)?;
+        bytes += n + v;
+        if bytes > MAX_RECORDED_FIELD_BYTES {
+            return Err(DecodeError("header fields too large"));
+        }
         let value = HeaderValue::from_maybe_shared(buf.split_to(v))
             .map_err(|_| DecodeError("invalid header value"))?;
-        headers.append(name, value);
+        headers
+            .try_append(name, value)
+            .map_err(|_| DecodeError("too many header fields"))?;
     }
     Ok(headers)
 }
@@ -410,6 +487,31 @@ mod tests {
             status: StatusCode::OK,
         };
         assert_eq!(Completion::decode(Bytes::from(t.encode())).unwrap(), t);
+    }
+
+    #[test]
+    fn oversized_header_maps_are_decode_errors_not_panics() {
+        // 30,000 fields: more than a HeaderMap can hold (its `append` would panic).
+        let encode = |count: u32, value_len: usize| {
+            let mut out = vec![COMPLETION_FORMAT, KIND_RESPONSE, 0, 200];
+            out.put_u32(count);
+            for i in 0..count {
+                let name = format!("x-{i}");
+                out.put_u16(name.len() as u16);
+                out.extend_from_slice(name.as_bytes());
+                out.put_u32(value_len as u32);
+                out.extend(std::iter::repeat_n(b'v', value_len));
+            }
+            out.put_u32(0);
+            out.put_u8(0);
+            Bytes::from(out)
+        };
+        let err = Completion::decode(encode(30_000, 1)).unwrap_err();
+        assert_eq!(err, DecodeError("too many header fields"));
+        let err = Completion::decode(encode(2, MAX_RECORDED_FIELD_BYTES)).unwrap_err();
+        assert_eq!(err, DecodeError("header fields too large"));
+        let ok = Completion::decode(encode(MAX_RECORDED_FIELDS as u32, 1)).unwrap();
+        assert!(matches!(ok, Completion::Response(r) if r.headers.len() == MAX_RECORDED_FIELDS));
     }
 
     #[test]

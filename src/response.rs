@@ -49,9 +49,11 @@ pub(crate) fn grpc_code(kind: ErrorKind) -> u8 {
         ErrorKind::InProgress => 10,                                                    // ABORTED
         ErrorKind::Mismatch => 9,            // FAILED_PRECONDITION
         ErrorKind::BodyTooLarge => 8,        // RESOURCE_EXHAUSTED
+        ErrorKind::BodyTimeout => 4,         // DEADLINE_EXCEEDED
         ErrorKind::StoreUnavailable => 14,   // UNAVAILABLE
         ErrorKind::ResponseNotRetained => 6, // ALREADY_EXISTS
         ErrorKind::ScopeMissing => 13,       // INTERNAL
+        ErrorKind::QuotaExceeded => 8,       // RESOURCE_EXHAUSTED
     }
 }
 
@@ -136,7 +138,7 @@ fn length_delimited(out: &mut Vec<u8>, field: u8, bytes: &[u8]) {
 }
 
 /// Standard base64 without padding, as gRPC sends `-bin` metadata.
-fn base64(bytes: &[u8]) -> String {
+pub(crate) fn base64(bytes: &[u8]) -> String {
     const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
     let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
     for chunk in bytes.chunks(3) {
@@ -187,20 +189,10 @@ pub(crate) fn replay<B: Body>(stored: &StoredResponse) -> Response<ResponseBody<
     res
 }
 
-/// The headers kept when recording: the allow-list, in their original order.
-pub(crate) fn recorded_headers(headers: &HeaderMap, allow: &[HeaderName]) -> HeaderMap {
-    let mut kept = HeaderMap::new();
-    for name in allow {
-        for v in headers.get_all(name) {
-            kept.append(name.clone(), v.clone());
-        }
-    }
-    kept
-}
-
-/// Response headers a gRPC record leaves out: the connection's own (HTTP/2 refuses them),
-/// values that describe this one transmission, and cookies (as the HTTP allow-list does).
-const GRPC_UNRECORDED: [&str; 11] = [
+/// Never recorded, in headers or trailers, on HTTP or gRPC: the connection's own (HTTP/2
+/// refuses them), values that describe one transmission, cookies (a replay must not hand one
+/// caller's session to whoever retries), and the replay marker itself.
+pub(crate) const UNRECORDED: [&str; 11] = [
     "connection",
     "keep-alive",
     "proxy-connection",
@@ -214,34 +206,23 @@ const GRPC_UNRECORDED: [&str; 11] = [
     "idempotent-replayed",
 ];
 
-/// The headers kept when recording a gRPC response: all but [`GRPC_UNRECORDED`].
-///
-/// gRPC metadata is the application's own (initial metadata, and in a trailers-only
-/// response the status and trailing metadata too), so an allow-list would drop it.
-pub(crate) fn grpc_recorded_headers(headers: &HeaderMap) -> HeaderMap {
+/// The fields kept when recording a response's headers or trailers: all but [`UNRECORDED`]
+/// and the user's `extra` deny-list, in their original order.
+pub(crate) fn recorded_headers(headers: &HeaderMap, extra: &[HeaderName]) -> HeaderMap {
+    if headers.contains_key(http::header::SET_COOKIE) {
+        static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            tracing::warn!("a recorded answer carried Set-Cookie; cookies are never recorded, so replays do not set them");
+        }
+    }
     let mut kept = headers.clone();
-    for name in GRPC_UNRECORDED {
+    for name in UNRECORDED {
+        kept.remove(name);
+    }
+    for name in extra {
         kept.remove(name);
     }
     kept
-}
-
-/// The default allow-list of recorded response headers.
-pub(crate) fn default_recorded_headers() -> Vec<HeaderName> {
-    use http::header::*;
-    vec![
-        CONTENT_TYPE,
-        CONTENT_ENCODING,
-        CONTENT_LANGUAGE,
-        LOCATION,
-        CONTENT_LOCATION,
-        ETAG,
-        LAST_MODIFIED,
-        LINK,
-        CACHE_CONTROL,
-        VARY,
-        RETRY_AFTER,
-    ]
 }
 
 #[cfg(test)]
@@ -314,7 +295,7 @@ mod tests {
     }
 
     #[test]
-    fn grpc_records_keep_metadata_and_drop_connection_headers() {
+    fn records_keep_metadata_and_drop_connection_headers_and_the_deny_list() {
         let mut h = HeaderMap::new();
         h.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
         h.insert("grpc-status", HeaderValue::from_static("9"));
@@ -326,11 +307,13 @@ mod tests {
             HeaderValue::from_static("Sat, 29 Nov 2025 14:00:00 GMT"),
         );
         h.insert("connection", HeaderValue::from_static("close"));
-        let kept = grpc_recorded_headers(&h);
+        let kept = recorded_headers(&h, &[]);
         assert_eq!(kept.len(), 5);
         assert_eq!(kept["grpc-status"], "9");
         let charges: Vec<_> = kept.get_all("x-charge").iter().collect();
         assert_eq!(charges, ["a", "b"]);
         assert!(!kept.contains_key("date") && !kept.contains_key("connection"));
+        let kept = recorded_headers(&h, &[HeaderName::from_static("x-charge")]);
+        assert_eq!(kept.len(), 3, "the user's deny-list applies too");
     }
 }

@@ -1,19 +1,21 @@
 //! [`Idempotency`]: the service, and the request flow of DESIGN.md read top to bottom.
 
 use std::any::Any;
+use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use futures_util::FutureExt;
-use http::{request, HeaderMap, Request, Response};
+use http::{request, HeaderMap, Method, Request, Response};
 use http_body::Body;
-use http_body_util::{BodyExt, LengthLimitError, Limited};
+use http_body_util::BodyExt;
 use pin_project_lite::pin_project;
 use tokio::time::Instant;
 use tower_service::Service;
@@ -24,10 +26,12 @@ use crate::context::IdempotencyContext;
 use crate::error::{ErrorKind, IdempotencyError};
 use crate::fingerprint::fingerprint;
 use crate::key;
-use crate::layer::Config;
+use crate::layer::{Config, Scope};
 use crate::metrics::{timed, Labels};
 use crate::policy::{decide, is_grpc, RecordDecision, ResponseInfo};
-use crate::record::{Completion, Fingerprint, RecordId, RecordState, StoredResponse, Token};
+use crate::record::{
+    self, Completion, Fingerprint, RecordId, RecordState, ScopeId, StoredResponse, Token,
+};
 use crate::response;
 use crate::store::{Claim, ClaimOutcome, StoreError, StoreErrorKind};
 
@@ -105,9 +109,10 @@ where
     fn call(&mut self, req: Request<ReqB>) -> Self::Future {
         let cfg = &self.config;
         // 1. Eligible? Anything else passes through: no buffering, no store call, no boxing.
-        let grpc = is_grpc(req.headers());
+        // gRPC handling is the configuration's choice, never the client's alone.
+        let grpc = is_grpc(req.headers()) && grpc_mode(cfg);
         let eligible = if grpc {
-            cfg.grpc_protected(req.uri().path())
+            req.method() == Method::POST && cfg.grpc_protected(req.uri().path())
         } else {
             cfg.methods.contains(req.method())
         };
@@ -159,6 +164,15 @@ where
         };
         ResponseFuture::flow(Box::pin(flow.run(inner, req)))
     }
+}
+
+/// Whether the layer serves gRPC; says once when a gRPC request meets a layer that does not.
+fn grpc_mode(cfg: &Config) -> bool {
+    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if !cfg.grpc && !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        tracing::warn!("a gRPC request reached an idempotency layer without with_grpc(); it is handled as HTTP");
+    }
+    cfg.grpc
 }
 
 /// Renders a layer-made error in the request's protocol. The user's renderer is for HTTP
@@ -237,8 +251,17 @@ impl Flow {
     {
         let (parts, body) = req.into_parts();
         let scope: Option<Arc<str>> = match &self.cfg.scope {
-            None => None,
-            Some(f) => match f(&parts) {
+            Scope::Unscoped => None,
+            Scope::Unset => {
+                self.labels.outcome("scope_missing");
+                tracing::error!("idempotency layer has no scope: call with_scope (or unscoped, to share one key space on purpose); keyed requests are refused");
+                let err = IdempotencyError::new(
+                    ErrorKind::ScopeMissing,
+                    "the request's idempotency scope could not be determined",
+                );
+                return Ok(self.error(err));
+            }
+            Scope::Fn(f) => match f(&parts) {
                 Some(s) => Some(s.into()),
                 None => {
                     self.labels.outcome("scope_missing");
@@ -264,17 +287,19 @@ impl Flow {
                 format!("the request body is larger than {limit} bytes"),
             )
         };
-        if content_length(&parts.headers).is_some_and(|n| n > limit as u64) {
+        let declared = content_length(&parts.headers);
+        if declared.is_some_and(|n| n > limit as u64) {
             self.labels.outcome("body_too_large");
             return Ok(self.error(too_large()));
         }
-        let bytes = match Limited::new(body, limit).collect().await {
-            Ok(collected) => collected.to_bytes(),
-            Err(e) if e.is::<LengthLimitError>() => {
+        let read = buffer_body(body, limit, declared.unwrap_or(0) as usize);
+        let bytes = match tokio::time::timeout(self.cfg.request_body_timeout, read).await {
+            Ok(Ok(bytes)) => bytes,
+            Ok(Err(BodyError::TooLarge)) => {
                 self.labels.outcome("body_too_large");
                 return Ok(self.error(too_large()));
             }
-            Err(e) => {
+            Ok(Err(BodyError::Failed(e))) => {
                 self.labels.outcome("body_unreadable");
                 tracing::debug!(error = %e, "request body unreadable");
                 return Ok(self.error(IdempotencyError::new(
@@ -282,10 +307,22 @@ impl Flow {
                     "the request body could not be read",
                 )));
             }
+            Err(_) => {
+                self.labels.outcome("body_timeout");
+                return Ok(self.error(IdempotencyError::new(
+                    ErrorKind::BodyTimeout,
+                    "the request body did not arrive in time; nothing was processed",
+                )));
+            }
         };
 
         // 4. Fingerprint. 5. Record id: the store never sees the raw key.
-        let fp = fingerprint(&parts, &bytes, &self.cfg.fingerprint);
+        // The path the client sent: inside axum's nested routers `parts.uri` lost its prefix.
+        #[cfg(feature = "axum")]
+        let target = crate::axum::original_uri(&parts);
+        #[cfg(not(feature = "axum"))]
+        let target = &parts.uri;
+        let fp = fingerprint(&parts, target, &bytes, &self.cfg.fingerprint);
         let id = RecordId::new(scope.as_deref(), &self.key);
         let span = tracing::info_span!(
             "idempotency",
@@ -419,7 +456,8 @@ impl Lease {
         let length = retention.lease();
         Self {
             length,
-            // lease / 3: two renewals in a row can fail (a store blip) before the lease lapses.
+            // lease / 3: one renewal can fail (a store blip) and the next lands with a third of
+            // the lease to spare; after two failures the third is sent at the lease's edge.
             every: length / 3,
             timeout: retention.store_timeout(),
             state: Mutex::new(LeaseState {
@@ -533,6 +571,91 @@ where
     }
 }
 
+/// Wait mode's registry: one poller per record id, many listeners.
+#[derive(Debug, Default)]
+pub(crate) struct Waiters {
+    polls: Mutex<HashMap<RecordId, tokio::sync::watch::Sender<bool>>>,
+    waiting: AtomicUsize,
+}
+
+/// One waiting request; leaving (dropped) frees its place under the cap.
+struct WaitTicket {
+    changed: tokio::sync::watch::Receiver<bool>,
+    waiters: Arc<Waiters>,
+}
+
+impl Drop for WaitTicket {
+    fn drop(&mut self) {
+        self.waiters.waiting.fetch_sub(1, AtomicOrdering::Relaxed);
+    }
+}
+
+impl Waiters {
+    fn polls(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<RecordId, tokio::sync::watch::Sender<bool>>> {
+        self.polls.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Listens for a change of `id`, starting its poller if none runs; `None` past the cap.
+    fn join(cfg: &Arc<Config>, id: RecordId) -> Option<WaitTicket> {
+        let waiters = cfg.waiters.clone();
+        if waiters.waiting.fetch_add(1, AtomicOrdering::Relaxed) >= cfg.max_waiters {
+            waiters.waiting.fetch_sub(1, AtomicOrdering::Relaxed);
+            return None;
+        }
+        let changed = {
+            let mut polls = waiters.polls();
+            match polls.get(&id) {
+                Some(tx) => tx.subscribe(),
+                None => {
+                    let (tx, rx) = tokio::sync::watch::channel(false);
+                    polls.insert(id, tx.clone());
+                    tokio::spawn(poll_record(cfg.clone(), id, tx));
+                    rx
+                }
+            }
+        };
+        Some(WaitTicket { changed, waiters })
+    }
+}
+
+/// Polls `id` with jittered backoff until it is no longer a live claim, then tells every
+/// listener; stops early when nobody listens any more.
+async fn poll_record(cfg: Arc<Config>, id: RecordId, tx: tokio::sync::watch::Sender<bool>) {
+    let mut pause = BACKOFF_START;
+    loop {
+        tokio::time::sleep(jitter(pause)).await;
+        pause = (pause * 2).min(BACKOFF_MAX);
+        {
+            // Under the lock, so no listener joins between this check and the removal.
+            let mut polls = cfg.waiters.polls();
+            if tx.receiver_count() == 0 {
+                polls.remove(&id);
+                return;
+            }
+        }
+        let read = deadline(Instant::now(), cfg.retention.store_timeout());
+        let live = matches!(
+            bounded(read, timed(crate::metrics::store_timer(cfg.store.name(), "get"), cfg.store.get(&id))).await,
+            Ok(Some(r)) if matches!(r.state, RecordState::InProgress { lease_remaining } if !lease_remaining.is_zero())
+        );
+        // Completed, released, lapsed or a store error: the listeners claim again to find out.
+        if !live {
+            cfg.waiters.polls().remove(&id);
+            let _ = tx.send(true);
+            return;
+        }
+    }
+}
+
+/// A pause between half of `pause` and all of it, so pollers on many replicas spread out.
+fn jitter(pause: Duration) -> Duration {
+    let r = getrandom::u32().unwrap_or(u32::MAX);
+    let half = pause / 2;
+    half + half.mul_f64(f64::from(r) / f64::from(u32::MAX))
+}
+
 impl Keyed {
     async fn claim<B: Body>(&self) -> Step<B> {
         let cfg = &*self.flow.cfg;
@@ -545,8 +668,12 @@ impl Keyed {
             let pending = PendingClaim {
                 future: Some({
                     let (store, id, fp) = (cfg.store.clone(), self.id, self.fp);
+                    let scope = ScopeId::new(self.scope.as_deref());
                     let timer = self.flow.labels.store_call("claim");
-                    Box::pin(async move { timed(timer, store.claim(&id, &fp, lease, ttl)).await })
+                    Box::pin(async move {
+                        let claim = store.claim_in_scope(&scope, &id, &fp, lease, ttl);
+                        timed(timer, claim).await
+                    })
                 }),
                 cfg: self.flow.cfg.clone(),
                 labels: self.flow.labels.clone(),
@@ -556,6 +683,18 @@ impl Keyed {
             let record = match bounded(deadline(sent, timeout), pending).await {
                 Ok(ClaimOutcome::Claimed(claim)) => return Step::Claimed(claim, sent),
                 Ok(ClaimOutcome::Existing(record)) => record,
+                Err(e) if e.kind() == StoreErrorKind::QuotaExceeded => {
+                    self.outcome("over_quota");
+                    if cfg.quota_fail_open {
+                        tracing::warn!("idempotency scope over its quota; running unprotected (quota fail open)");
+                        return Step::FailOpen;
+                    }
+                    let err = IdempotencyError::new(
+                        ErrorKind::QuotaExceeded,
+                        "this caller holds as many idempotency records as it may; the request was not processed",
+                    );
+                    return Step::Answer(self.flow.error(err));
+                }
                 Err(e) if cfg.fail_open => {
                     self.outcome("store_error");
                     tracing::warn!(error = %Chain(&e), "idempotency store failed; running unprotected (fail open)");
@@ -617,25 +756,14 @@ impl Keyed {
         }
     }
 
-    /// Wait mode: polls until the record is no longer a live claim (`true`), or `until` passes.
+    /// Wait mode: waits until the record is no longer a live claim (`true`), or `until`
+    /// passes, or too many wait already (`false`). Waiters of one record share one poll.
     async fn wait_for_change(&self, until: Instant) -> bool {
-        let cfg = &*self.flow.cfg;
-        let mut pause = BACKOFF_START;
-        loop {
-            if deadline(Instant::now(), pause) > until {
-                return false;
-            }
-            tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(BACKOFF_MAX);
-            let read = deadline(Instant::now(), cfg.retention.store_timeout());
-            let get = timed(self.flow.labels.store_call("get"), cfg.store.get(&self.id));
-            match bounded(read, get).await {
-                Ok(Some(r)) if matches!(r.state, RecordState::InProgress { lease_remaining } if !lease_remaining.is_zero()) =>
-                    {}
-                // Completed, released, lapsed or a store error: claim again to find out.
-                _ => return true,
-            }
-        }
+        let Some(mut ticket) = Waiters::join(&self.flow.cfg, self.id) else {
+            return false;
+        };
+        let changed = tokio::time::timeout_at(until, ticket.changed.wait_for(|c| *c)).await;
+        changed.is_ok()
     }
 
     /// Steps 7 to 9: run the inner service once, renewing the lease; settle; answer through
@@ -685,7 +813,6 @@ impl Keyed {
             self.fp,
             token,
             self.flow.cfg.clone(),
-            self.flow.grpc,
         );
         parts.extensions.insert(ctx);
         let req = Request::from_parts(parts, RequestBody::buffered(bytes));
@@ -802,14 +929,29 @@ impl Keyed {
                         return;
                     }
                 };
+                let fits = || {
+                    record::fits_record(&parts.headers)
+                        && trailers.as_ref().is_none_or(record::fits_record)
+                };
                 match decision {
+                    RecordDecision::Record if !fits() => {
+                        // Beyond the record's header caps: kept as a tombstone, as a body
+                        // beyond max_response_body is, so it is never run twice.
+                        self.outcome("tombstoned");
+                        let tomb = Completion::Tombstone {
+                            status: parts.status,
+                        };
+                        self.complete(token, &tomb, lease).await;
+                        let res = Response::from_parts(parts, ResponseBody::full(data, trailers));
+                        let _ = tx.send(Ok(Ok(res)));
+                    }
                     RecordDecision::Record => {
                         self.outcome("executed");
                         let stored = StoredResponse {
                             status: parts.status,
-                            headers: cfg.recorded_headers(self.flow.grpc, &parts.headers),
+                            headers: cfg.recorded_headers(&parts.headers),
                             body: data.clone(),
-                            trailers: trailers.clone(),
+                            trailers: trailers.as_ref().map(|t| cfg.recorded_headers(t)),
                         };
                         self.flow.labels.recorded_body(data.len());
                         self.complete(token, &Completion::Response(stored), lease)
@@ -1034,6 +1176,33 @@ fn panic_message(panic: &(dyn Any + Send)) -> &str {
         .copied()
         .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
         .unwrap_or("a non-string panic")
+}
+
+enum BodyError {
+    TooLarge,
+    Failed(BoxError),
+}
+
+/// Reads a request body into one buffer, sized from `Content-Length` (already checked
+/// against `limit`). Each frame is copied and dropped at once: a body sent in many small
+/// frames must not pin a read buffer per frame until the end.
+async fn buffer_body<B>(body: B, limit: usize, declared: usize) -> Result<Bytes, BodyError>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let mut body = std::pin::pin!(body);
+    let mut buf = BytesMut::with_capacity(declared.min(limit));
+    while let Some(frame) = body.as_mut().frame().await {
+        let frame = frame.map_err(|e| BodyError::Failed(e.into()))?;
+        if let Ok(data) = frame.into_data() {
+            if data.len() > limit - buf.len() {
+                return Err(BodyError::TooLarge);
+            }
+            buf.extend_from_slice(&data);
+        }
+    }
+    Ok(buf.freeze())
 }
 
 fn content_length(headers: &HeaderMap) -> Option<u64> {

@@ -69,6 +69,7 @@ fn app(layer: IdempotencyLayer) -> (Router, Arc<AppState>) {
 
 fn default_app() -> (Router, Arc<AppState>) {
     app(IdempotencyLayer::new(MemoryStore::new())
+        .unscoped()
         .with_max_response_body(NonZeroUsize::new(4096).unwrap()))
 }
 
@@ -139,6 +140,7 @@ async fn key_errors_are_problem_json_and_reach_no_handler() {
 #[tokio::test]
 async fn oversized_bodies_are_413_by_length_and_by_stream() {
     let (router, state) = app(IdempotencyLayer::new(MemoryStore::new())
+        .unscoped()
         .with_max_request_body(NonZeroUsize::new(1024).unwrap()));
     let big = vec![b' '; 2048];
     let by_length = send(&router, req("/charge", Some("k"), big.clone())).await;
@@ -216,8 +218,9 @@ async fn a_body_over_the_record_limit_is_served_once_and_tombstoned() {
 
 #[tokio::test]
 async fn a_custom_renderer_shapes_the_errors() {
-    let layer =
-        IdempotencyLayer::new(MemoryStore::new()).with_error_renderer(|e: &IdempotencyError| {
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .unscoped()
+        .with_error_renderer(|e: &IdempotencyError| {
             let body =
                 serde_json::json!({"error": {"code": e.kind().slug(), "message": e.detail()}});
             let mut res = axum::http::Response::new(Bytes::from(body.to_string()));
@@ -241,9 +244,50 @@ fn named(name: &'static str, calls: Arc<AtomicUsize>) -> axum::routing::MethodRo
 }
 
 #[tokio::test]
+async fn nested_routers_keep_endpoints_apart_by_the_path_the_client_sent() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let layer = IdempotencyLayer::new(MemoryStore::new()).unscoped();
+    let app = Router::new()
+        .nest(
+            "/v1",
+            Router::new()
+                .route("/orders", named("v1", calls.clone()))
+                .layer(layer.clone()),
+        )
+        .nest(
+            "/refunds",
+            Router::new()
+                .route("/orders", named("refunds", calls.clone()))
+                .layer(layer),
+        );
+    let res = app
+        .clone()
+        .oneshot(req("/v1/orders", Some("k"), "{}"))
+        .await
+        .unwrap();
+    assert_eq!(body_bytes(res).await, "v1");
+    // Both inner routers see `/orders`; the fingerprint must see where the client sent it.
+    let res = app
+        .oneshot(req("/refunds/orders", Some("k"), "{}"))
+        .await
+        .unwrap();
+    assert_eq!(
+        res.status(),
+        422,
+        "another endpoint under the same key is a mismatch"
+    );
+    assert_eq!(
+        res.extensions().get::<IdempotencyError>().unwrap().kind(),
+        ErrorKind::Mismatch
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
 async fn a_filter_exempts_a_webhook_route_from_a_router_wide_layer() {
     let calls = Arc::new(AtomicUsize::new(0));
     let layer = IdempotencyLayer::new(MemoryStore::new())
+        .unscoped()
         .with_filter(|req| !req.uri.path().starts_with("/webhooks/"));
     let app = Router::new()
         .route("/webhooks/psp", named("hook", calls.clone()))
@@ -265,7 +309,7 @@ async fn a_filter_exempts_a_webhook_route_from_a_router_wide_layer() {
 #[tokio::test]
 async fn the_layer_on_one_route_protects_that_route_only() {
     let calls = Arc::new(AtomicUsize::new(0));
-    let layer = IdempotencyLayer::new(MemoryStore::new());
+    let layer = IdempotencyLayer::new(MemoryStore::new()).unscoped();
     let app = Router::new()
         .route("/pay", named("pay", calls.clone()).layer(layer))
         .route("/webhooks/psp", named("hook", calls.clone()));
@@ -308,7 +352,7 @@ async fn with_optional_context(ctx: Option<IdempotencyContext>) -> &'static str 
 
 #[tokio::test]
 async fn the_context_is_an_extractor_whose_rejection_names_the_missing_layer() {
-    let layer = IdempotencyLayer::new(MemoryStore::new());
+    let layer = IdempotencyLayer::new(MemoryStore::new()).unscoped();
     let app = Router::new()
         .route("/keyed", post(with_context).layer(layer.clone()))
         .route("/bare", post(with_context))

@@ -138,7 +138,9 @@ async fn a_hung_claim_is_503_at_the_store_deadline_and_runs_nothing() {
     store.on(Op::Claim, 1, Fault::Hang);
     let app = App::default();
     let s = svc(
-        IdempotencyLayer::from_arc(store.clone()).with_retention(retention()),
+        IdempotencyLayer::from_arc(store.clone())
+            .unscoped()
+            .with_retention(retention()),
         &app,
     );
 
@@ -165,7 +167,9 @@ async fn a_claim_answered_after_its_deadline_is_503_and_released_if_it_took_effe
     store.on(Op::Claim, 1, Fault::ReplyLate(Duration::from_secs(2)));
     let app = App::default();
     let s = svc(
-        IdempotencyLayer::from_arc(store.clone()).with_retention(retention()),
+        IdempotencyLayer::from_arc(store.clone())
+            .unscoped()
+            .with_retention(retention()),
         &app,
     );
 
@@ -204,6 +208,7 @@ async fn a_hung_get_in_wait_mode_is_bounded() {
     store.on_all(Op::Get, Fault::Hang);
     let app = App::default();
     let layer = IdempotencyLayer::from_arc(store.clone())
+        .unscoped()
         .with_retention(retention())
         .with_wait(Duration::from_secs(2));
     let s = svc(layer, &app);
@@ -231,7 +236,9 @@ async fn one_hung_renewal_does_not_stop_the_next_and_the_live_holder_keeps_its_l
     store.on(Op::Extend, 2, Fault::Fail);
     let app = App::default();
     let s = svc(
-        IdempotencyLayer::from_arc(store.clone()).with_retention(retention()),
+        IdempotencyLayer::from_arc(store.clone())
+            .unscoped()
+            .with_retention(retention()),
         &app,
     );
 
@@ -266,7 +273,9 @@ async fn renewals_are_due_a_third_of_a_lease_after_the_claim_was_sent_not_answer
     store.on(Op::Claim, 1, Fault::ReplyLate(Duration::from_millis(400)));
     let app = App::default();
     let s = svc(
-        IdempotencyLayer::from_arc(store.clone()).with_retention(retention()),
+        IdempotencyLayer::from_arc(store.clone())
+            .unscoped()
+            .with_retention(retention()),
         &app,
     );
 
@@ -292,7 +301,9 @@ async fn a_hung_complete_still_answers_the_client_by_the_end_of_the_lease() {
     store.on_all(Op::Complete, Fault::Hang);
     let app = App::default();
     let s = svc(
-        IdempotencyLayer::from_arc(store.clone()).with_retention(retention()),
+        IdempotencyLayer::from_arc(store.clone())
+            .unscoped()
+            .with_retention(retention()),
         &app,
     );
 
@@ -309,7 +320,9 @@ async fn a_complete_that_hangs_once_is_retried_and_then_replays() {
     store.on(Op::Complete, 1, Fault::Hang);
     let app = App::default();
     let s = svc(
-        IdempotencyLayer::from_arc(store.clone()).with_retention(retention()),
+        IdempotencyLayer::from_arc(store.clone())
+            .unscoped()
+            .with_retention(retention()),
         &app,
     );
 
@@ -334,7 +347,9 @@ async fn a_5xx_is_answered_at_once_while_a_failing_release_retries_in_the_backgr
         store.on_all(Op::Release, fault);
         let app = App::default();
         let s = svc(
-            IdempotencyLayer::from_arc(store.clone()).with_retention(retention()),
+            IdempotencyLayer::from_arc(store.clone())
+                .unscoped()
+                .with_retention(retention()),
             &app,
         );
 
@@ -363,7 +378,9 @@ async fn a_5xx_is_answered_at_once_while_a_failing_release_retries_in_the_backgr
 async fn an_inner_error_and_a_panic_are_answered_at_once_with_a_hung_release() {
     let store = FaultStore::new(MemoryStore::new());
     store.on_all(Op::Release, Fault::Hang);
-    let layer = IdempotencyLayer::from_arc(store.clone()).with_retention(retention());
+    let layer = IdempotencyLayer::from_arc(store.clone())
+        .unscoped()
+        .with_retention(retention());
     let failing = layer.layer(service_fn(
         |req: Request<RequestBody<Full<Bytes>>>| async move {
             if req.uri().path() == "/panic" {
@@ -392,6 +409,7 @@ async fn waiting_forever_and_keeping_forever_do_not_overflow() {
     let store = FaultStore::new(MemoryStore::new());
     let forever = Retention::new(LEASE, Duration::MAX).unwrap();
     let layer = IdempotencyLayer::from_arc(store.clone())
+        .unscoped()
         .with_retention(forever)
         .with_wait(Duration::MAX);
     let app = App::default();
@@ -420,6 +438,8 @@ async fn large_grpc_answers_are_released_or_tombstoned_by_their_trailing_status(
         let store = FaultStore::new(MemoryStore::new());
         let app = App::default();
         let layer = IdempotencyLayer::from_arc(store.clone())
+            .unscoped()
+            .with_grpc()
             .with_retention(retention())
             .with_max_response_body(NonZeroUsize::new(40).unwrap());
         let s = svc(layer, &app);
@@ -457,6 +477,8 @@ async fn a_large_grpc_stream_dropped_by_the_client_is_never_run_again() {
     let store = FaultStore::new(MemoryStore::new());
     let app = App::default();
     let layer = IdempotencyLayer::from_arc(store.clone())
+        .unscoped()
+        .with_grpc()
         .with_retention(retention())
         .with_max_response_body(NonZeroUsize::new(40).unwrap());
     let s = svc(layer, &app);
@@ -472,8 +494,10 @@ async fn a_large_grpc_stream_dropped_by_the_client_is_never_run_again() {
 #[tokio::test(start_paused = true)]
 async fn a_custom_renderer_renders_http_errors_only() {
     let app = App::default();
-    let layer =
-        IdempotencyLayer::new(MemoryStore::new()).with_error_renderer(|e: &IdempotencyError| {
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .unscoped()
+        .with_grpc()
+        .with_error_renderer(|e: &IdempotencyError| {
             let mut res = Response::new(Bytes::from(format!("custom: {}", e.kind().slug())));
             *res.status_mut() = e.kind().status();
             res
@@ -504,6 +528,8 @@ async fn a_panicking_record_policy_releases_the_key_and_the_panic_reaches_the_ca
         let store = FaultStore::new(MemoryStore::new());
         let app = App::default();
         let layer = IdempotencyLayer::from_arc(store.clone())
+            .unscoped()
+            .with_grpc()
             .with_retention(retention())
             .with_record_policy(|_: &tower_idempotency::ResponseInfo<'_>| -> bool {
                 panic!("policy bug")
@@ -552,7 +578,9 @@ fn capture_errors() -> (Errors, tracing::subscriber::DefaultGuard) {
 /// then outlives a renewal before answering; `/lie` only claims to have, and `/unmarked`
 /// does not say so.
 fn self_recording(store: Arc<FaultStore>) -> Svc {
-    let layer = IdempotencyLayer::from_arc(store.clone()).with_retention(retention());
+    let layer = IdempotencyLayer::from_arc(store.clone())
+        .unscoped()
+        .with_retention(retention());
     BoxCloneService::new(
         layer.layer(service_fn(move |req: Request<RequestBody<Full<Bytes>>>| {
             let store = store.clone();
@@ -657,7 +685,9 @@ async fn a_self_recorded_answer_without_the_marker_is_not_reported_as_a_takeover
 #[tokio::test(start_paused = true)]
 async fn no_store_answers_are_recorded_unless_the_user_opts_in() {
     for (opt_in, runs) in [(false, 1), (true, 2)] {
-        let layer = IdempotencyLayer::new(MemoryStore::new()).with_release_on_no_store(opt_in);
+        let layer = IdempotencyLayer::new(MemoryStore::new())
+            .unscoped()
+            .with_release_on_no_store(opt_in);
         let calls = Arc::new(AtomicUsize::new(0));
         let c = calls.clone();
         let s = layer.layer(service_fn(

@@ -392,6 +392,45 @@ async fn a_changed_amount_under_the_same_key_is_failed_precondition() {
 }
 
 #[tokio::test]
+async fn api_keys_scope_keys_and_a_malformed_one_is_unauthenticated() {
+    let h = start(config(None), |l| l).await;
+    let mut client = h.client.clone();
+    let as_caller = |api_key: Option<&str>| {
+        let mut req = payment(Some("k-shared"), 1000);
+        if let Some(k) = api_key {
+            req.metadata_mut().insert("x-api-key", k.parse().unwrap());
+        }
+        req
+    };
+    let alice = client
+        .create_payment(as_caller(Some("alice")))
+        .await
+        .unwrap();
+    let bob = client.create_payment(as_caller(Some("bob"))).await.unwrap();
+    let anon = client.create_payment(as_caller(None)).await.unwrap();
+    assert!(
+        !replayed(&bob) && !replayed(&anon),
+        "another caller's key space"
+    );
+    assert_ne!(alice.get_ref().id, bob.get_ref().id);
+    let again = client
+        .create_payment(as_caller(Some("alice")))
+        .await
+        .unwrap();
+    assert!(replayed(&again));
+    assert_eq!(again.get_ref().id, alice.get_ref().id);
+    let too_long = "k".repeat(129);
+    for bad in ["has space", too_long.as_str()] {
+        let status = client
+            .create_payment(as_caller(Some(bad)))
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), Code::Unauthenticated, "{bad}");
+    }
+    assert_eq!(h.charges().await, 3);
+}
+
+#[tokio::test]
 async fn a_missing_or_invalid_key_is_invalid_argument() {
     let h = start(config(None), |l| l).await;
     let mut client = h.client.clone();
@@ -477,6 +516,9 @@ async fn start_probed(gate: Arc<CardGate>) -> (Harness, Arc<Notify>) {
     });
     let router = Server::builder()
         .layer(probe)
+        .layer(tonic::service::InterceptorLayer::new(
+            app::authenticate as app::AuthFn,
+        ))
         .layer(layer)
         .add_routes(Routes::new(app::payments(shop.clone())));
     (serve!(router, shop), dropped)

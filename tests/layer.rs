@@ -75,12 +75,21 @@ impl App {
             "/trailers" => {
                 let mut trailers = http::HeaderMap::new();
                 trailers.insert("x-checksum", HeaderValue::from_static("c0ffee"));
+                trailers.insert("x-trace", HeaderValue::from_static("t-1"));
                 let frames = vec![
                     Ok(Frame::data(Bytes::from_static(b"part-1;"))),
                     Ok(Frame::data(Bytes::from(format!("part-2 run {n}")))),
                     Ok(Frame::trailers(trailers)),
                 ];
                 *res.body_mut() = StreamBody::new(stream::iter(frames)).boxed();
+            }
+            "/many-headers" => {
+                for i in 0..1100 {
+                    res.headers_mut().append(
+                        http::HeaderName::from_bytes(format!("x-h{i}").as_bytes()).unwrap(),
+                        HeaderValue::from_static("v"),
+                    );
+                }
             }
             p if p.starts_with("/large/") => {
                 let size: usize = p[7..].parse().unwrap();
@@ -173,7 +182,7 @@ async fn assert_problem(
 #[tokio::test]
 async fn missing_key_is_400_and_runs_nothing() {
     let (store, app) = (counting(), App::default());
-    let s = svc(IdempotencyLayer::new(store.clone()), &app);
+    let s = svc(IdempotencyLayer::new(store.clone()).unscoped(), &app);
     let res = call(&s, post("/x", None, "{}")).await;
     let v = assert_problem(res, 400, ErrorKind::KeyMissing).await;
     assert!(v["detail"].as_str().unwrap().contains("idempotency-key"));
@@ -183,7 +192,7 @@ async fn missing_key_is_400_and_runs_nothing() {
 #[tokio::test]
 async fn invalid_keys_are_400_and_store_nothing() {
     let (store, app) = (counting(), App::default());
-    let s = svc(IdempotencyLayer::new(store.clone()), &app);
+    let s = svc(IdempotencyLayer::new(store.clone()).unscoped(), &app);
     let long = "k".repeat(256);
     for (label, values) in [
         ("empty", vec![HeaderValue::from_static("")]),
@@ -222,7 +231,7 @@ async fn invalid_keys_are_400_and_store_nothing() {
 #[tokio::test]
 async fn quoted_and_bare_keys_name_the_same_record() {
     let app = App::default();
-    let s = svc(IdempotencyLayer::new(MemoryStore::new()), &app);
+    let s = svc(IdempotencyLayer::new(MemoryStore::new()).unscoped(), &app);
     let first = call(&s, post("/x", Some("abc"), "{}")).await;
     assert_eq!(body_bytes(first).await, "run 1");
     let second = call(&s, post("/x", Some("\"abc\""), "{}")).await;
@@ -240,7 +249,7 @@ async fn other_methods_pass_through_unbuffered_without_store_calls() {
         seen2.lock().unwrap().push(format!("{:?}", req.body()));
         async { Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"ok")))) }
     });
-    let mut s = IdempotencyLayer::new(store.clone()).layer(inner);
+    let mut s = IdempotencyLayer::new(store.clone()).unscoped().layer(inner);
     for method in ["GET", "PUT", "DELETE"] {
         let req = Request::builder()
             .method(method)
@@ -266,7 +275,9 @@ async fn other_methods_pass_through_unbuffered_without_store_calls() {
 async fn optional_keys_pass_through_when_absent_and_protect_when_present() {
     let (store, app) = (counting(), App::default());
     let s = svc(
-        IdempotencyLayer::new(store.clone()).with_key_required(false),
+        IdempotencyLayer::new(store.clone())
+            .unscoped()
+            .with_key_required(false),
         &app,
     );
     assert_eq!(call(&s, post("/x", None, "{}")).await.status(), 201);
@@ -282,6 +293,7 @@ async fn optional_keys_pass_through_when_absent_and_protect_when_present() {
 async fn header_name_and_methods_are_configurable() {
     let app = App::default();
     let layer = IdempotencyLayer::new(MemoryStore::new())
+        .unscoped()
         .with_header_name(http::HeaderName::from_static("x-request-key"))
         .with_methods([http::Method::PUT]);
     let s = svc(layer, &app);
@@ -297,6 +309,44 @@ async fn header_name_and_methods_are_configurable() {
     // POST is no longer protected: no key needed, runs every time.
     assert_eq!(call(&s, post("/x", None, "{}")).await.status(), 201);
     assert_eq!(app.calls(), 2);
+}
+
+#[tokio::test]
+async fn a_grpc_content_type_does_not_switch_an_http_layer_to_grpc() {
+    let (store, app) = (counting(), App::default());
+    let grpc_ct = |method: &str, body: &'static str| {
+        let mut r = post("/x", Some("k"), body);
+        *r.method_mut() = method.parse().unwrap();
+        r.headers_mut()
+            .insert("content-type", HeaderValue::from_static("application/grpc"));
+        r
+    };
+    let http_only = IdempotencyLayer::new(store.clone())
+        .unscoped()
+        .with_max_request_body(NonZeroUsize::new(16).unwrap());
+    let s = svc(http_only, &app);
+    // The method check holds: a GET is not keyed, whatever its content type says.
+    let get = call(&s, grpc_ct("GET", "")).await;
+    assert!(get.headers().get("idempotent-replayed").is_none());
+    assert_eq!(store.total(), 0);
+    // The HTTP limit and the HTTP error form hold too.
+    let big = call(&s, grpc_ct("POST", "0123456789abcdef0123456789abcdef")).await;
+    assert_problem(big, 413, ErrorKind::BodyTooLarge).await;
+
+    // A layer configured for gRPC still checks the method.
+    let s = svc(
+        IdempotencyLayer::new(store.clone()).unscoped().with_grpc(),
+        &app,
+    );
+    let get = call(&s, grpc_ct("GET", "")).await;
+    assert!(
+        get.headers().get("grpc-status").is_none(),
+        "passed through, not keyed"
+    );
+    assert_eq!(store.total(), 0);
+    let post = call(&s, grpc_ct("POST", "")).await;
+    assert_eq!(store.total(), 1 + 1, "claimed and completed: keyed as gRPC");
+    assert_eq!(post.status(), 201);
 }
 
 // 2. Scope --------------------------------------------------------------------------------
@@ -338,13 +388,72 @@ async fn a_scope_function_that_finds_no_scope_is_500_and_runs_nothing() {
     assert_eq!((app.calls(), store.total()), (0, 0));
 }
 
+#[tokio::test]
+async fn a_layer_with_no_scope_chosen_refuses_keyed_requests_and_runs_nothing() {
+    let (store, app) = (counting(), App::default());
+    let s = svc(IdempotencyLayer::new(store.clone()), &app);
+    assert_problem(
+        call(&s, post("/x", Some("k"), "{}")).await,
+        500,
+        ErrorKind::ScopeMissing,
+    )
+    .await;
+    assert_eq!((app.calls(), store.total()), (0, 0));
+    // Requests the layer does not protect still pass.
+    let mut get = post("/x", None, "");
+    *get.method_mut() = http::Method::GET;
+    assert_eq!(call(&s, get).await.status(), 201);
+    assert_eq!(app.calls(), 1);
+}
+
+#[tokio::test]
+async fn a_tenant_over_its_quota_gets_429_and_other_tenants_are_served() {
+    for fail_open in [false, true] {
+        let app = App::default();
+        let store = MemoryStore::builder()
+            .max_records_per_scope(NonZeroUsize::new(2).unwrap())
+            .build();
+        let layer = IdempotencyLayer::new(store)
+            .with_scope(|req| {
+                req.headers
+                    .get("x-tenant")
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_owned)
+            })
+            .with_quota_fail_open(fail_open);
+        let s = svc(layer, &app);
+        let req = |tenant: &str, key: &str| {
+            let mut r = post("/x", Some(key), "{}");
+            r.headers_mut()
+                .insert("x-tenant", HeaderValue::from_str(tenant).unwrap());
+            r
+        };
+        for key in ["k1", "k2"] {
+            assert_eq!(call(&s, req("a", key)).await.status(), 201);
+        }
+        let over = call(&s, req("a", "k3")).await;
+        if fail_open {
+            assert_eq!(over.status(), 201, "runs unprotected");
+            assert!(over.headers().get("idempotent-replayed").is_none());
+        } else {
+            let v = assert_problem(over, 429, ErrorKind::QuotaExceeded).await;
+            assert_eq!(v["type"], ErrorKind::QuotaExceeded.type_uri());
+        }
+        assert_eq!(call(&s, req("b", "k3")).await.status(), 201, "tenant b");
+        let replay = call(&s, req("a", "k1")).await;
+        assert_eq!(replay.headers()["idempotent-replayed"], "true");
+        assert_eq!(app.calls(), if fail_open { 4 } else { 3 });
+    }
+}
+
 // 3. Request body ---------------------------------------------------------------------------
 
 #[tokio::test]
 async fn a_body_over_the_limit_by_content_length_is_413_before_any_claim() {
     let (store, app) = (counting(), App::default());
-    let layer =
-        IdempotencyLayer::new(store.clone()).with_max_request_body(NonZeroUsize::new(16).unwrap());
+    let layer = IdempotencyLayer::new(store.clone())
+        .unscoped()
+        .with_max_request_body(NonZeroUsize::new(16).unwrap());
     let s = svc(layer, &app);
     let mut req = post("/x", Some("k"), &"x".repeat(17));
     req.headers_mut()
@@ -360,6 +469,95 @@ async fn a_body_over_the_limit_by_content_length_is_413_before_any_claim() {
     );
 }
 
+/// A body of 1-byte frames, each a slice of its own 64 KiB buffer (as a server's read
+/// buffer). Counts the frames whose buffer was still referenced when the next was asked for.
+struct PinningBody {
+    sent: Vec<Bytes>,
+    left: usize,
+    pinned: Arc<AtomicUsize>,
+}
+
+impl http_body::Body for PinningBody {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        if let Some(last) = self.sent.pop() {
+            if !last.is_unique() {
+                self.pinned.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        if self.left == 0 {
+            return std::task::Poll::Ready(None);
+        }
+        self.left -= 1;
+        let backing = Bytes::from(vec![b'x'; 64 * 1024]);
+        let frame = backing.slice(0..1);
+        self.sent.push(backing);
+        std::task::Poll::Ready(Some(Ok(Frame::data(frame))))
+    }
+}
+
+#[tokio::test]
+async fn a_body_in_small_frames_is_copied_into_one_buffer_not_kept_frame_by_frame() {
+    let pinned = Arc::new(AtomicUsize::new(0));
+    let inner = service_fn(|req: Request<RequestBody<PinningBody>>| async move {
+        let body = req.into_body().collect().await.unwrap().to_bytes();
+        Ok::<_, Infallible>(Response::new(Full::new(body)))
+    });
+    let s = IdempotencyLayer::new(MemoryStore::new())
+        .unscoped()
+        .layer(inner);
+    let req = Request::post("/x")
+        .header("idempotency-key", "k")
+        .header("content-length", "100")
+        .body(PinningBody {
+            sent: Vec::new(),
+            left: 100,
+            pinned: pinned.clone(),
+        })
+        .unwrap();
+    let res = s.oneshot(req).await.unwrap();
+    assert_eq!(body_bytes(res).await, "x".repeat(100));
+    assert_eq!(
+        pinned.load(Ordering::SeqCst),
+        0,
+        "no frame outlived its turn"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_body_slower_than_the_timeout_is_408_before_any_claim() {
+    let store = counting();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let c = calls.clone();
+    let inner = service_fn(move |_req: Request<RequestBody<StreamBody<_>>>| {
+        c.fetch_add(1, Ordering::SeqCst);
+        async { Ok::<_, Infallible>(Response::new(Full::new(Bytes::new()))) }
+    });
+    let s = IdempotencyLayer::new(store.clone())
+        .unscoped()
+        .with_request_body_timeout(Duration::from_secs(5))
+        .layer(inner);
+    // One byte, then nothing: a slow client holding its buffer.
+    let frames = stream::iter([Ok::<_, std::io::Error>(Frame::data(Bytes::from_static(
+        b"{",
+    )))]);
+    let frames = futures_util::StreamExt::chain(frames, stream::pending());
+    let req = Request::post("/x")
+        .header("idempotency-key", "k")
+        .body(StreamBody::new(frames))
+        .unwrap();
+    let res = s.oneshot(req).await.unwrap();
+    assert_eq!(res.status(), 408);
+    let err = res.extensions().get::<IdempotencyError>().unwrap();
+    assert_eq!(err.kind(), ErrorKind::BodyTimeout);
+    assert_eq!((calls.load(Ordering::SeqCst), store.total()), (0, 0));
+}
+
 #[tokio::test]
 async fn a_chunked_body_over_the_limit_is_413_before_any_claim() {
     let store = counting();
@@ -370,6 +568,7 @@ async fn a_chunked_body_over_the_limit_is_413_before_any_claim() {
         async { Ok::<_, Infallible>(Response::new(Full::new(Bytes::new()))) }
     });
     let layer = IdempotencyLayer::new(store.clone())
+        .unscoped()
         .with_max_request_body(NonZeroUsize::new(1024).unwrap());
     let s = layer.layer(inner);
     // No Content-Length: 3 chunks of 512 bytes arrive as a stream.
@@ -395,7 +594,7 @@ async fn an_unreadable_body_is_400_before_any_claim() {
     let inner = service_fn(|_req: Request<RequestBody<StreamBody<_>>>| async {
         Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
     });
-    let s = IdempotencyLayer::new(store.clone()).layer(inner);
+    let s = IdempotencyLayer::new(store.clone()).unscoped().layer(inner);
     let frames: Vec<Result<Frame<Bytes>, std::io::Error>> = vec![
         Ok(Frame::data(Bytes::from_static(b"{"))),
         Err(std::io::Error::other("client reset")),
@@ -430,7 +629,7 @@ async fn second_status(
 #[tokio::test]
 async fn json_with_reordered_keys_and_other_whitespace_replays() {
     let (status, calls) = second_status(
-        IdempotencyLayer::new(MemoryStore::new()),
+        IdempotencyLayer::new(MemoryStore::new()).unscoped(),
         post("/x", Some("k"), r#"{"amount":100,"currency":"EUR","meta":{"a":1,"b":[1,2]}}"#),
         post("/x", Some("k"), "{ \"meta\" : { \"b\" : [ 1 , 2 ] , \"a\" : 1.0 } ,\n\"currency\":\"EUR\", \"amount\": 1e2 }"),
     )
@@ -440,7 +639,7 @@ async fn json_with_reordered_keys_and_other_whitespace_replays() {
 
 #[tokio::test]
 async fn a_changed_body_path_or_method_under_the_same_key_is_422() {
-    let layer = || IdempotencyLayer::new(MemoryStore::new());
+    let layer = || IdempotencyLayer::new(MemoryStore::new()).unscoped();
     let (s, _) = second_status(
         layer(),
         post("/x", Some("k"), r#"{"amount":100}"#),
@@ -473,7 +672,7 @@ async fn a_changed_body_path_or_method_under_the_same_key_is_422() {
 
 #[tokio::test]
 async fn invalid_json_is_compared_as_raw_bytes() {
-    let layer = || IdempotencyLayer::new(MemoryStore::new());
+    let layer = || IdempotencyLayer::new(MemoryStore::new()).unscoped();
     let (s, calls) = second_status(
         layer(),
         post("/x", Some("k"), "{not json"),
@@ -497,7 +696,7 @@ async fn invalid_json_is_compared_as_raw_bytes() {
 #[tokio::test]
 async fn duplicate_json_keys_never_match_their_last_wins_reading() {
     let (s, _) = second_status(
-        IdempotencyLayer::new(MemoryStore::new()),
+        IdempotencyLayer::new(MemoryStore::new()).unscoped(),
         post("/x", Some("k"), r#"{"amount":1,"amount":1000}"#),
         post("/x", Some("k"), r#"{"amount":1000}"#),
     )
@@ -508,7 +707,7 @@ async fn duplicate_json_keys_never_match_their_last_wins_reading() {
 #[tokio::test]
 async fn integers_beyond_2_pow_53_are_not_merged() {
     let (s, _) = second_status(
-        IdempotencyLayer::new(MemoryStore::new()),
+        IdempotencyLayer::new(MemoryStore::new()).unscoped(),
         post("/x", Some("k"), r#"{"id":9007199254740993}"#),
         post("/x", Some("k"), r#"{"id":9007199254740992}"#),
     )
@@ -528,7 +727,7 @@ async fn form_bodies_compare_as_sorted_pairs() {
             .body(Full::new(Bytes::from_static(body.as_bytes())))
             .unwrap()
     };
-    let layer = || IdempotencyLayer::new(MemoryStore::new());
+    let layer = || IdempotencyLayer::new(MemoryStore::new()).unscoped();
     let (s, calls) = second_status(
         layer(),
         form("amount=100&currency=EUR"),
@@ -543,6 +742,7 @@ async fn form_bodies_compare_as_sorted_pairs() {
 #[tokio::test]
 async fn excluded_json_fields_and_included_headers_shape_the_fingerprint() {
     let layer = IdempotencyLayer::new(MemoryStore::new())
+        .unscoped()
         .with_fingerprint_excluded_field(JsonPointer::parse("/client_time").unwrap());
     let (s, calls) = second_status(
         layer,
@@ -553,6 +753,7 @@ async fn excluded_json_fields_and_included_headers_shape_the_fingerprint() {
     assert_eq!((s, calls), (StatusCode::CREATED, 1));
 
     let layer = IdempotencyLayer::new(MemoryStore::new())
+        .unscoped()
         .with_fingerprint_header(http::HeaderName::from_static("x-account"));
     let with = |acct: &'static str| {
         let mut r = post("/x", Some("k"), "{}");
@@ -569,7 +770,7 @@ async fn excluded_json_fields_and_included_headers_shape_the_fingerprint() {
 #[tokio::test]
 async fn an_in_progress_key_is_409_with_retry_after_until_the_first_finishes() {
     let app = App::default();
-    let s = svc(IdempotencyLayer::new(MemoryStore::new()), &app);
+    let s = svc(IdempotencyLayer::new(MemoryStore::new()).unscoped(), &app);
     let first = tokio::spawn(call(&s, post("/gated", Some("k"), "{}")));
     app.started.notified().await;
     let res = call(&s, post("/gated", Some("k"), "{}")).await;
@@ -591,7 +792,7 @@ async fn an_in_progress_key_is_409_with_retry_after_until_the_first_finishes() {
 #[tokio::test]
 async fn a_failed_store_is_503_with_retry_after_and_runs_nothing() {
     let app = App::default();
-    let s = svc(IdempotencyLayer::new(DownStore), &app);
+    let s = svc(IdempotencyLayer::new(DownStore).unscoped(), &app);
     let res = call(&s, post("/x", Some("k"), "{}")).await;
     assert_eq!(res.headers()["retry-after"], "1");
     let err = res.extensions().get::<IdempotencyError>().unwrap().clone();
@@ -606,7 +807,12 @@ async fn a_failed_store_is_503_with_retry_after_and_runs_nothing() {
 #[tokio::test]
 async fn fail_open_runs_the_request_unprotected_when_the_store_fails() {
     let app = App::default();
-    let s = svc(IdempotencyLayer::new(DownStore).with_fail_open(true), &app);
+    let s = svc(
+        IdempotencyLayer::new(DownStore)
+            .unscoped()
+            .with_fail_open(true),
+        &app,
+    );
     assert_eq!(call(&s, post("/x", Some("k"), "{}")).await.status(), 201);
     assert_eq!(call(&s, post("/x", Some("k"), "{}")).await.status(), 201);
     assert_eq!(app.calls(), 2);
@@ -618,7 +824,7 @@ async fn a_full_memory_store_refuses_new_keys_with_503_and_still_replays_old_one
     let store = MemoryStore::builder()
         .max_records(NonZeroUsize::new(2).unwrap())
         .build();
-    let s = svc(IdempotencyLayer::new(store), &app);
+    let s = svc(IdempotencyLayer::new(store).unscoped(), &app);
     call(&s, post("/x", Some("a"), "{}")).await;
     call(&s, post("/x", Some("b"), "{}")).await;
     assert_problem(
@@ -640,7 +846,9 @@ async fn a_full_memory_store_refuses_new_keys_with_503_and_still_replays_old_one
 async fn dropping_the_response_future_after_the_claim_does_not_cancel_the_work() {
     let app = App::default();
     let s = svc(
-        IdempotencyLayer::new(MemoryStore::new()).with_wait(Duration::from_secs(30)),
+        IdempotencyLayer::new(MemoryStore::new())
+            .unscoped()
+            .with_wait(Duration::from_secs(30)),
         &app,
     );
     let fut = call(&s, post("/gated", Some("k"), "{}"));
@@ -719,7 +927,7 @@ impl IdempotencyStore for SlowClaimStore {
 async fn a_response_future_dropped_during_the_claim_releases_a_won_claim() {
     let store = Arc::new(SlowClaimStore::default());
     let app = App::default();
-    let s = svc(IdempotencyLayer::new(store.clone()), &app);
+    let s = svc(IdempotencyLayer::new(store.clone()).unscoped(), &app);
     let mut fut = Box::pin(call(&s, post("/x", Some("k"), "{}")));
     tokio::select! {
         _ = &mut fut => panic!("the claim is gated"),
@@ -749,7 +957,7 @@ async fn a_response_future_dropped_during_the_claim_releases_a_won_claim() {
 #[tokio::test]
 async fn a_panicking_handler_releases_the_claim_and_propagates_the_panic() {
     let app = App::default();
-    let s = svc(IdempotencyLayer::new(MemoryStore::new()), &app);
+    let s = svc(IdempotencyLayer::new(MemoryStore::new()).unscoped(), &app);
     let joined = tokio::spawn(call(&s, post("/panic", Some("k"), "{}"))).await;
     assert!(joined.unwrap_err().is_panic());
     // Released: the retry runs again (and panics again) instead of getting 409.
@@ -766,7 +974,9 @@ async fn an_inner_service_error_releases_the_claim_and_is_returned() {
         c.fetch_add(1, Ordering::SeqCst);
         async { Err::<Response<Full<Bytes>>, BoxError>("inner failed".into()) }
     });
-    let s = IdempotencyLayer::new(MemoryStore::new()).layer(inner);
+    let s = IdempotencyLayer::new(MemoryStore::new())
+        .unscoped()
+        .layer(inner);
     assert!(s
         .clone()
         .oneshot(post("/x", Some("k"), "{}"))
@@ -783,7 +993,9 @@ async fn the_lease_is_renewed_while_a_slow_handler_runs() {
     let (store, app) = (counting(), App::default());
     let retention = Retention::new(Duration::from_secs(3), Duration::from_secs(60)).unwrap();
     let s = svc(
-        IdempotencyLayer::new(store.clone()).with_retention(retention),
+        IdempotencyLayer::new(store.clone())
+            .unscoped()
+            .with_retention(retention),
         &app,
     );
     let first = tokio::spawn(call(&s, post("/gated", Some("k"), "{}")));
@@ -879,6 +1091,7 @@ async fn a_lapsed_lease_is_taken_over_with_generation_2_and_the_old_holder_is_fe
     };
     let retention = Retention::new(Duration::from_secs(3), Duration::from_secs(60)).unwrap();
     let s = IdempotencyLayer::new(store.clone())
+        .unscoped()
         .with_retention(retention)
         .layer(inner);
     let first = tokio::spawn(s.clone().oneshot(post("/x", Some("k"), "{}")));
@@ -928,7 +1141,7 @@ async fn a_lapsed_lease_is_taken_over_with_generation_2_and_the_old_holder_is_fe
 #[tokio::test]
 async fn the_default_policy_records_success_and_business_errors_and_releases_the_rest() {
     let app = App::default();
-    let s = svc(IdempotencyLayer::new(MemoryStore::new()), &app);
+    let s = svc(IdempotencyLayer::new(MemoryStore::new()).unscoped(), &app);
     for (status, recorded) in [
         (201, true),
         (302, true),
@@ -969,7 +1182,9 @@ async fn handler_decisions_override_the_policy_and_no_store_releases_only_when_o
         (false, "/decide-record", true),
     ] {
         let app = App::default();
-        let layer = IdempotencyLayer::new(MemoryStore::new()).with_release_on_no_store(opt_in);
+        let layer = IdempotencyLayer::new(MemoryStore::new())
+            .unscoped()
+            .with_release_on_no_store(opt_in);
         let s = svc(layer, &app);
         call(&s, post(path, Some(path), "{}")).await;
         call(&s, post(path, Some(path), "{}")).await;
@@ -981,6 +1196,7 @@ async fn handler_decisions_override_the_policy_and_no_store_releases_only_when_o
 async fn a_policy_closure_replaces_the_default() {
     let app = App::default();
     let layer = IdempotencyLayer::new(MemoryStore::new())
+        .unscoped()
         .with_record_policy(|r: &tower_idempotency::ResponseInfo<'_>| r.status() == 500);
     let s = svc(layer, &app);
     call(&s, post("/status/201", Some("a"), "{}")).await;
@@ -995,10 +1211,11 @@ async fn a_policy_closure_replaces_the_default() {
 // 9. Recording and replay -----------------------------------------------------------------
 
 #[tokio::test]
-async fn replays_carry_allow_listed_headers_only_and_the_exact_body() {
+async fn replays_carry_every_header_but_the_deny_list_and_the_exact_body() {
     let app = App::default();
     let layer = IdempotencyLayer::new(MemoryStore::new())
-        .with_recorded_header(http::HeaderName::from_static("x-custom"));
+        .unscoped()
+        .with_unrecorded_header(http::HeaderName::from_static("x-request-id"));
     let s = svc(layer, &app);
     let first = call(&s, post("/headers", Some("k"), "{}")).await;
     assert_eq!(
@@ -1015,16 +1232,31 @@ async fn replays_carry_allow_listed_headers_only_and_the_exact_body() {
         h.get_all("link").iter().collect::<Vec<_>>(),
         ["</a>; rel=a", "</b>; rel=b"]
     );
-    assert_eq!(h["x-custom"], "kept-when-configured");
-    assert!(h.get("set-cookie").is_none());
-    assert!(h.get("x-request-id").is_none());
+    assert_eq!(
+        h["x-custom"], "kept-when-configured",
+        "custom headers replay"
+    );
+    assert!(h.get("set-cookie").is_none(), "cookies are never recorded");
+    assert!(h.get("x-request-id").is_none(), "the user's deny-list");
     assert_eq!(body_bytes(replay).await, "run 1");
+}
+
+#[tokio::test]
+async fn an_answer_beyond_the_header_caps_is_tombstoned_never_run_twice() {
+    let app = App::default();
+    let s = svc(IdempotencyLayer::new(MemoryStore::new()).unscoped(), &app);
+    let first = call(&s, post("/many-headers", Some("k"), "{}")).await;
+    assert_eq!(first.headers().len(), 1100, "the first answer is whole");
+    let retry = call(&s, post("/many-headers", Some("k"), "{}")).await;
+    let v = assert_problem(retry, 410, ErrorKind::ResponseNotRetained).await;
+    assert_eq!(v["original_status"], 201);
+    assert_eq!(app.calls(), 1);
 }
 
 #[tokio::test]
 async fn binary_bodies_replay_byte_for_byte() {
     let app = App::default();
-    let s = svc(IdempotencyLayer::new(MemoryStore::new()), &app);
+    let s = svc(IdempotencyLayer::new(MemoryStore::new()).unscoped(), &app);
     let binary: Vec<u8> = (0..=255u8).cycle().take(70_000).collect();
     let req = || {
         Request::post("/echo")
@@ -1039,13 +1271,18 @@ async fn binary_bodies_replay_byte_for_byte() {
 }
 
 #[tokio::test]
-async fn trailers_are_recorded_and_replayed() {
+async fn trailers_are_recorded_and_replayed_by_the_same_rule_as_headers() {
     let app = App::default();
-    let s = svc(IdempotencyLayer::new(MemoryStore::new()), &app);
-    for _ in 0..2 {
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .unscoped()
+        .with_unrecorded_header(http::HeaderName::from_static("x-trace"));
+    let s = svc(layer, &app);
+    for replay in [false, true] {
         let res = call(&s, post("/trailers", Some("k"), "{}")).await;
         let collected = res.into_body().collect().await.unwrap();
-        assert_eq!(collected.trailers().unwrap()["x-checksum"], "c0ffee");
+        let trailers = collected.trailers().unwrap();
+        assert_eq!(trailers["x-checksum"], "c0ffee");
+        assert_eq!(trailers.contains_key("x-trace"), !replay);
         assert_eq!(collected.to_bytes(), "part-1;part-2 run 1");
     }
     assert_eq!(app.calls(), 1);
@@ -1055,6 +1292,7 @@ async fn trailers_are_recorded_and_replayed() {
 async fn a_response_over_the_limit_streams_whole_and_retries_get_410_not_a_rerun() {
     let app = App::default();
     let layer = IdempotencyLayer::new(MemoryStore::new())
+        .unscoped()
         .with_max_response_body(NonZeroUsize::new(64 * 1024).unwrap());
     let s = svc(layer, &app);
     let first = call(&s, post("/large/200000", Some("k"), "{}")).await;
@@ -1078,7 +1316,7 @@ async fn a_response_over_the_limit_streams_whole_and_retries_get_410_not_a_rerun
 #[tokio::test]
 async fn a_response_body_that_fails_is_released_and_the_error_reaches_the_client() {
     let app = App::default();
-    let s = svc(IdempotencyLayer::new(MemoryStore::new()), &app);
+    let s = svc(IdempotencyLayer::new(MemoryStore::new()).unscoped(), &app);
     let res = call(&s, post("/broken-body", Some("k"), "{}")).await;
     let mut body = res.into_body();
     let first = body.frame().await.unwrap().unwrap();
@@ -1092,6 +1330,7 @@ async fn a_response_body_that_fails_is_released_and_the_error_reaches_the_client
 async fn the_in_progress_retry_after_can_be_capped() {
     let app = App::default();
     let layer = IdempotencyLayer::new(MemoryStore::new())
+        .unscoped()
         .with_in_progress_retry_after(Duration::from_millis(1500));
     let s = svc(layer, &app);
     let first = tokio::spawn(call(&s, post("/gated", Some("k"), "{}")));
@@ -1108,8 +1347,9 @@ async fn the_in_progress_retry_after_can_be_capped() {
 #[tokio::test]
 async fn errors_can_be_rendered_by_the_user() {
     let app = App::default();
-    let layer =
-        IdempotencyLayer::new(MemoryStore::new()).with_error_renderer(|e: &IdempotencyError| {
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .unscoped()
+        .with_error_renderer(|e: &IdempotencyError| {
             let mut res = Response::new(Bytes::from(format!("custom: {}", e.kind().slug())));
             *res.status_mut() = e.kind().status();
             res
@@ -1127,7 +1367,9 @@ async fn errors_can_be_rendered_by_the_user() {
 async fn wait_mode_replays_the_first_answer_instead_of_409() {
     let app = App::default();
     let s = svc(
-        IdempotencyLayer::new(MemoryStore::new()).with_wait(Duration::from_secs(30)),
+        IdempotencyLayer::new(MemoryStore::new())
+            .unscoped()
+            .with_wait(Duration::from_secs(30)),
         &app,
     );
     let first = tokio::spawn(call(&s, post("/gated", Some("k"), "{}")));
@@ -1147,7 +1389,9 @@ async fn wait_mode_replays_the_first_answer_instead_of_409() {
 async fn wait_mode_falls_back_to_409_when_the_wait_times_out() {
     let app = App::default();
     let s = svc(
-        IdempotencyLayer::new(MemoryStore::new()).with_wait(Duration::from_secs(2)),
+        IdempotencyLayer::new(MemoryStore::new())
+            .unscoped()
+            .with_wait(Duration::from_secs(2)),
         &app,
     );
     let first = tokio::spawn(call(&s, post("/gated", Some("k"), "{}")));
@@ -1156,6 +1400,42 @@ async fn wait_mode_falls_back_to_409_when_the_wait_times_out() {
     assert_eq!(second.status(), 409);
     app.gate.notify_one();
     assert_eq!(first.await.unwrap().status(), 201);
+}
+
+#[tokio::test(start_paused = true)]
+async fn waiting_duplicates_share_one_poll_and_past_the_cap_get_409() {
+    let (store, app) = (counting(), App::default());
+    let s = svc(
+        IdempotencyLayer::new(store.clone())
+            .unscoped()
+            .with_wait(Duration::from_secs(60))
+            .with_max_waiters(NonZeroUsize::new(40).unwrap()),
+        &app,
+    );
+    let first = tokio::spawn(call(&s, post("/gated", Some("k"), "{}")));
+    app.started.notified().await;
+    let waiters: Vec<_> = (0..50)
+        .map(|_| tokio::spawn(call(&s, post("/gated", Some("k"), "{}"))))
+        .collect();
+    // Five seconds of waiting: about fifteen polls at the backoff's pace.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let gets = store.gets.load(Ordering::SeqCst);
+    assert!(
+        (1..=20).contains(&gets),
+        "{gets} gets for 40 waiters: one poll serves them all"
+    );
+    app.gate.notify_one();
+    assert_eq!(first.await.unwrap().status(), 201);
+    let mut statuses = std::collections::BTreeMap::new();
+    for w in waiters {
+        let res = w.await.unwrap();
+        *statuses.entry(res.status().as_u16()).or_insert(0) += 1;
+        if res.status() == 201 {
+            assert_eq!(res.headers()["idempotent-replayed"], "true");
+        }
+    }
+    assert_eq!(statuses, [(201, 40), (409, 10)].into());
+    assert_eq!(app.calls(), 1);
 }
 
 // 12. IdempotencyContext -------------------------------------------------------------------

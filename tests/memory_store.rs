@@ -26,3 +26,97 @@ async fn byte_budget_also_refuses_claims() {
         .build();
     conformance::full_store_refuses_claims_and_keeps_records(Arc::new(store)).await;
 }
+
+#[tokio::test]
+async fn a_recorded_body_keeps_only_its_own_bytes_not_the_buffer_it_came_from() {
+    use bytes::Bytes;
+    use std::time::Duration;
+    use tower_idempotency::store::{ClaimOutcome, IdempotencyStore};
+    use tower_idempotency::{Completion, Fingerprint, RecordId, StoredResponse};
+
+    let store = MemoryStore::new();
+    let id = RecordId::new(Some("tenant"), "exact-bytes");
+    let fp = Fingerprint::from_bytes([1; 32]);
+    let ttl = Duration::from_secs(60);
+    let ClaimOutcome::Claimed(claim) = store
+        .claim(&id, &fp, Duration::from_secs(30), ttl)
+        .await
+        .unwrap()
+    else {
+        panic!("a fresh key is claimed")
+    };
+    // Ten bytes of a 1 MiB buffer, as a frozen, oversized `BytesMut` would be.
+    let buffer = Bytes::from(vec![7u8; 1 << 20]);
+    let completion = Completion::Response(StoredResponse {
+        status: http::StatusCode::OK,
+        headers: http::HeaderMap::new(),
+        body: buffer.slice(0..10),
+        trailers: None,
+    });
+    store
+        .complete(&id, &claim.token, &completion, ttl)
+        .await
+        .unwrap();
+    drop(completion);
+    assert!(
+        buffer.is_unique(),
+        "the store must not keep the 1 MiB buffer alive for 10 bytes"
+    );
+}
+
+#[tokio::test]
+async fn a_scope_over_its_quota_is_refused_while_other_scopes_still_claim() {
+    use std::time::Duration;
+    use tower_idempotency::store::{ClaimOutcome, IdempotencyStore, StoreErrorKind};
+    use tower_idempotency::{Fingerprint, RecordId, ScopeId};
+
+    let store = MemoryStore::builder()
+        .max_records_per_scope(NonZeroUsize::new(3).unwrap())
+        .build();
+    let fp = Fingerprint::from_bytes([2; 32]);
+    let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(60));
+    let claim = |tenant: &'static str, key: &'static str| {
+        let store = store.clone();
+        async move {
+            let scope = ScopeId::new(Some(tenant));
+            let id = RecordId::new(Some(tenant), key);
+            store.claim_in_scope(&scope, &id, &fp, lease, ttl).await
+        }
+    };
+    let mut tokens = Vec::new();
+    for key in ["k1", "k2", "k3"] {
+        match claim("alice", key).await.unwrap() {
+            ClaimOutcome::Claimed(c) => tokens.push((key, c.token)),
+            ClaimOutcome::Existing(_) => panic!("{key} is new"),
+        }
+    }
+    let over = claim("alice", "k4").await.unwrap_err();
+    assert_eq!(over.kind(), StoreErrorKind::QuotaExceeded);
+    // Another tenant is not affected, and alice's own records still answer.
+    assert!(matches!(
+        claim("bob", "k1").await.unwrap(),
+        ClaimOutcome::Claimed(_)
+    ));
+    assert!(matches!(
+        claim("alice", "k1").await.unwrap(),
+        ClaimOutcome::Existing(_)
+    ));
+    // A released record frees its place.
+    let (key, token) = tokens[0];
+    store
+        .release(&RecordId::new(Some("alice"), key), &token)
+        .await
+        .unwrap();
+    assert!(matches!(
+        claim("alice", "k4").await.unwrap(),
+        ClaimOutcome::Claimed(_)
+    ));
+    // Claims without a scope are not counted against any scope.
+    for key in ["u1", "u2", "u3", "u4"] {
+        let id = RecordId::new(None, key);
+        assert!(matches!(
+            store.claim(&id, &fp, lease, ttl).await.unwrap(),
+            ClaimOutcome::Claimed(_)
+        ));
+    }
+}

@@ -216,9 +216,13 @@ async fn memory_takeovers_report_the_lapse() {
 
 /// Returns once `id` has a record (the first request holds its claim).
 async fn claimed(store: &MemoryStore, id: &RecordId) {
-    while store.get(id).await.unwrap().is_none() {
+    for _ in 0..100_000 {
+        if store.get(id).await.unwrap().is_some() {
+            return;
+        }
         tokio::task::yield_now().await;
     }
+    panic!("the first request never claimed its key");
 }
 
 #[tokio::test(start_paused = true)]
@@ -227,6 +231,7 @@ async fn outcomes_are_counted_per_route_protocol_and_store() {
     let route = "/m/outcomes";
     let store = Arc::new(MemoryStore::new());
     let layer = IdempotencyLayer::from_arc(store.clone())
+        .unscoped()
         .with_max_request_body(std::num::NonZeroUsize::new(64).unwrap());
     let app = router(route, layer, 201, None);
 
@@ -296,7 +301,7 @@ async fn conflicts_releases_and_store_errors_are_counted() {
     let store = Arc::new(MemoryStore::new());
     let app = router(
         route,
-        IdempotencyLayer::from_arc(store.clone()),
+        IdempotencyLayer::from_arc(store.clone()).unscoped(),
         503,
         Some(gate.clone()),
     );
@@ -313,7 +318,12 @@ async fn conflicts_releases_and_store_errors_are_counted() {
     assert_eq!(outcomes(route, "executed"), 0);
 
     let route = "/m/down";
-    let app = router(route, IdempotencyLayer::new(DownStore), 201, None);
+    let app = router(
+        route,
+        IdempotencyLayer::new(DownStore).unscoped(),
+        201,
+        None,
+    );
     assert_eq!(send(&app, pay(route, Some("d"), "{}")).await.status(), 503);
     assert_eq!(
         metrics().counter(
@@ -385,7 +395,7 @@ async fn a_holder_released_by_an_operator_is_counted_as_fenced() {
     let gate = Arc::new(Notify::new());
     let app = router(
         route,
-        IdempotencyLayer::from_arc(store.clone()),
+        IdempotencyLayer::from_arc(store.clone()).unscoped(),
         201,
         Some(gate.clone()),
     );
@@ -410,7 +420,9 @@ async fn time_spent_waiting_is_recorded() {
     let route = "/m/wait";
     let gate = Arc::new(Notify::new());
     let store = Arc::new(MemoryStore::new());
-    let layer = IdempotencyLayer::from_arc(store.clone()).with_wait(Duration::from_secs(30));
+    let layer = IdempotencyLayer::from_arc(store.clone())
+        .unscoped()
+        .with_wait(Duration::from_secs(30));
     let app = router(route, layer, 201, Some(gate.clone()));
     let first = tokio::spawn({
         let app = app.clone();
@@ -436,6 +448,7 @@ async fn time_spent_waiting_is_recorded() {
 async fn the_ttl_header_is_sent_on_recorded_answers_and_replays_only_when_enabled() {
     let retention = Retention::new(Duration::from_secs(30), Duration::from_secs(7200)).unwrap();
     let layer = IdempotencyLayer::new(MemoryStore::new())
+        .unscoped()
         .with_retention(retention)
         .with_ttl_header(true);
     let app = router("/t", layer, 201, None);
@@ -447,10 +460,17 @@ async fn the_ttl_header_is_sent_on_recorded_answers_and_replays_only_when_enable
     assert_eq!(body_bytes(replay).await, body_bytes(first).await);
 
     // Off by default; never on a released answer.
-    let app = router("/t", IdempotencyLayer::new(MemoryStore::new()), 201, None);
+    let app = router(
+        "/t",
+        IdempotencyLayer::new(MemoryStore::new()).unscoped(),
+        201,
+        None,
+    );
     let res = send(&app, pay("/t", Some("t"), "{}")).await;
     assert!(res.headers().get("idempotency-key-ttl").is_none());
-    let layer = IdempotencyLayer::new(MemoryStore::new()).with_ttl_header(true);
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .unscoped()
+        .with_ttl_header(true);
     let app = router("/t", layer, 503, None);
     let res = send(&app, pay("/t", Some("t"), "{}")).await;
     assert!(res.headers().get("idempotency-key-ttl").is_none());
@@ -463,7 +483,11 @@ async fn without_a_matched_route_the_configured_label_is_used_never_the_path() {
         Ok::<_, std::convert::Infallible>(http::Response::new(Body::from("done")))
     });
     let svc = tower::ServiceBuilder::new()
-        .layer(IdempotencyLayer::new(MemoryStore::new()).with_route_label("bare-service"))
+        .layer(
+            IdempotencyLayer::new(MemoryStore::new())
+                .unscoped()
+                .with_route_label("bare-service"),
+        )
         .service(svc);
     let res = svc
         .oneshot(pay("/raw/path/with-id-123", Some("r"), "{}"))

@@ -49,7 +49,7 @@ async fn sixty_four_duplicates_run_once_and_no_connection_idles_in_a_transaction
             }
         })
     };
-    let svc = IdempotencyLayer::new(store).layer(inner);
+    let svc = IdempotencyLayer::new(store).unscoped().layer(inner);
     let barrier = Arc::new(Barrier::new(64));
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     for _ in 0..64 {
@@ -161,7 +161,9 @@ async fn a_handler_records_its_answer_in_its_own_transaction_or_not_at_all() {
             transactional_handler(store.clone(), payments.clone(), attempts.clone(), req)
         })
     };
-    let svc = IdempotencyLayer::from_arc(store.clone()).layer(inner);
+    let svc = IdempotencyLayer::from_arc(store.clone())
+        .unscoped()
+        .layer(inner);
     let count = || async {
         let row = admin(&url)
             .await
@@ -237,7 +239,7 @@ async fn a_forgotten_migration_is_503_and_the_log_names_the_missing_table() {
     let verify = store.verify().await.expect_err("the table does not exist");
     assert!(verify.to_string().contains("migrate"), "{verify}");
 
-    let svc = IdempotencyLayer::new(store).layer(service_fn(
+    let svc = IdempotencyLayer::new(store).unscoped().layer(service_fn(
         |_req: Request<RequestBody<Full<Bytes>>>| async {
             Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"ran"))))
         },

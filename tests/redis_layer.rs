@@ -37,7 +37,7 @@ fn service(store: RedisStore, calls: Arc<AtomicUsize>, gate: Arc<Notify>) -> Svc
             Ok::<_, Infallible>(res)
         }
     });
-    BoxCloneService::new(IdempotencyLayer::new(store).layer(inner))
+    BoxCloneService::new(IdempotencyLayer::new(store).unscoped().layer(inner))
 }
 
 fn unique(label: &str) -> String {

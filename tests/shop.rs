@@ -193,6 +193,28 @@ async fn a_decline_is_recorded_and_a_network_outage_is_released() {
 }
 
 #[tokio::test]
+async fn a_malformed_api_key_is_401_and_never_the_anonymous_caller() {
+    let (router, shop) = shop();
+    let body = r#"{"amount":10,"currency":"EUR"}"#;
+    let anon = send(&router, pay(Some("k"), None, body)).await;
+    assert_eq!(anon.status(), 201, "no key: the anonymous caller");
+    for bad in [&b"bob\xff"[..], b"", b"has space", &[b'a'; 129]] {
+        let mut req = pay(Some("k"), None, body);
+        req.headers_mut()
+            .insert("x-api-key", http::HeaderValue::from_bytes(bad).unwrap());
+        let res = send(&router, req).await;
+        assert_eq!(res.status(), 401, "{bad:?}");
+        assert!(res.headers().get("idempotent-replayed").is_none());
+    }
+    let mut twice = pay(Some("k"), Some("alice"), body);
+    twice
+        .headers_mut()
+        .append("x-api-key", http::HeaderValue::from_static("bob"));
+    assert_eq!(send(&router, twice).await.status(), 401);
+    assert_eq!(shop.charges(), 1);
+}
+
+#[tokio::test]
 async fn api_keys_scope_idempotency_keys() {
     let (router, shop) = shop();
     let a = body_json(

@@ -83,6 +83,7 @@ async fn each_keyed_request_reports_its_outcome_and_never_the_raw_key() {
         Ok::<_, Infallible>(res)
     });
     let layer = IdempotencyLayer::new(MemoryStore::new())
+        .unscoped()
         .with_max_response_body(NonZeroUsize::new(4096).unwrap());
     let s = layer.layer(inner);
     let run = |path: &'static str, body: &'static str| {
@@ -92,18 +93,21 @@ async fn each_keyed_request_reports_its_outcome_and_never_the_raw_key() {
     run("/ok", "{}").await.unwrap(); // executed
     run("/ok", "{}").await.unwrap(); // replayed
     run("/ok", r#"{"changed":1}"#).await.unwrap(); // mismatch
-    let fresh = IdempotencyLayer::new(MemoryStore::new()).layer(inner);
+    let fresh = IdempotencyLayer::new(MemoryStore::new())
+        .unscoped()
+        .layer(inner);
     fresh
         .oneshot(post("/fail", Some(SECRET_KEY), "{}"))
         .await
         .unwrap(); // released
     let big = IdempotencyLayer::new(MemoryStore::new())
+        .unscoped()
         .with_max_response_body(NonZeroUsize::new(1024).unwrap())
         .layer(inner);
     big.oneshot(post("/big", Some(SECRET_KEY), "{}"))
         .await
         .unwrap(); // tombstoned
-    let down = IdempotencyLayer::new(DownStore).layer(inner);
+    let down = IdempotencyLayer::new(DownStore).unscoped().layer(inner);
     down.oneshot(post("/ok", Some(SECRET_KEY), "{}"))
         .await
         .unwrap(); // store_error
@@ -146,7 +150,9 @@ async fn a_conflict_is_reported_as_conflict() {
             }
         })
     };
-    let s = IdempotencyLayer::new(MemoryStore::new()).layer(inner);
+    let s = IdempotencyLayer::new(MemoryStore::new())
+        .unscoped()
+        .layer(inner);
     let first = tokio::spawn(s.clone().oneshot(post("/x", Some(SECRET_KEY), "{}")));
     started.notified().await;
     assert_eq!(

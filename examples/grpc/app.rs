@@ -10,7 +10,7 @@ use std::time::Duration;
 use futures_util::{Stream, StreamExt};
 use http_body_util::BodyExt as _;
 use tokio::sync::Semaphore;
-use tonic::service::LayerExt as _;
+use tonic::service::{InterceptorLayer, LayerExt as _};
 use tonic::transport::server::Router;
 use tonic::transport::Server;
 use tonic::{Request, Response, Status};
@@ -284,35 +284,73 @@ pub(crate) fn idempotency(
 ) -> IdempotencyLayer {
     IdempotencyLayer::from_arc(store)
         .with_retention(config.retention)
+        .with_grpc()
         .with_grpc_passthrough(COUNT_CHARGES)
         .expect("a gRPC method path")
-        // One key space per API key (metadata), as in the HTTP shop; callers without one
-        // share the anonymous scope.
-        .with_scope(|req| {
-            let key = req.headers.get("x-api-key").and_then(|v| v.to_str().ok());
-            Some(key.map_or_else(|| "anonymous".to_owned(), |k| format!("api-key:{k}")))
-        })
+        // One key space per caller, as authenticated outside this layer.
+        .with_scope(|req| req.extensions.get::<Principal>().map(|p| p.0.clone()))
 }
 
+/// Who is calling: set by [`authenticate`], read by the idempotency scope.
+#[derive(Debug, Clone)]
+pub(crate) struct Principal(pub(crate) String);
+
+/// A demo auth interceptor: `x-api-key` metadata names the caller (as in the HTTP shop).
+/// No key is the anonymous caller; a malformed or repeated one is `UNAUTHENTICATED`. It must
+/// run outside the idempotency layer (`InterceptorLayer`, not `with_interceptor`, which runs
+/// inside it), so that the scope function sees the principal.
+pub(crate) fn authenticate(mut req: Request<()>) -> Result<Request<()>, Status> {
+    let mut keys = req.metadata().get_all("x-api-key").iter();
+    let principal = match (keys.next(), keys.next()) {
+        (None, _) => Principal("anonymous".to_owned()),
+        (Some(v), None) => match v.to_str().ok().filter(|k| is_api_key(k)) {
+            Some(k) => Principal(format!("api-key:{k}")),
+            None => {
+                return Err(Status::unauthenticated(
+                    "the x-api-key metadata is malformed",
+                ))
+            }
+        },
+        (Some(_), Some(_)) => {
+            return Err(Status::unauthenticated("send x-api-key once"));
+        }
+    };
+    req.extensions_mut().insert(principal);
+    Ok(req)
+}
+
+/// 1 to 128 visible ASCII characters (no spaces, no control or non-ASCII bytes).
+fn is_api_key(k: &str) -> bool {
+    (1..=128).contains(&k.len()) && k.bytes().all(|b| b.is_ascii_graphic())
+}
+
+pub(crate) type AuthFn = fn(Request<()>) -> Result<Request<()>, Status>;
+
+/// The server's layers, outermost first: auth, then idempotency.
+pub(crate) type ServerLayers = Stack<IdempotencyLayer, Stack<InterceptorLayer<AuthFn>, Identity>>;
+
 /// The server-wide form: `Server::builder().layer(..)` wraps every service it serves.
-pub(crate) fn server_wide(
-    layer: IdempotencyLayer,
-    shop: Arc<Shop>,
-) -> Router<Stack<IdempotencyLayer, Identity>> {
-    Server::builder().layer(layer).add_service(payments(shop))
+pub(crate) fn server_wide(layer: IdempotencyLayer, shop: Arc<Shop>) -> Router<ServerLayers> {
+    Server::builder()
+        .layer(InterceptorLayer::new(authenticate as AuthFn))
+        .layer(layer)
+        .add_service(payments(shop))
 }
 
 /// The per-service form: `named_layer` wraps one service and keeps its `NamedService` name,
 /// so other services on the same server stay outside the layer.
 pub(crate) fn per_service(layer: IdempotencyLayer, shop: Arc<Shop>) -> Router<Identity> {
-    Server::builder().add_service(layer.named_layer(payments(shop)))
+    let stack = tower::ServiceBuilder::new()
+        .layer(InterceptorLayer::new(authenticate as AuthFn))
+        .layer(layer);
+    Server::builder().add_service(stack.named_layer(payments(shop)))
 }
 
 /// The shop's API behind the idempotency layer. Returns the router and the shop state.
 pub(crate) fn app(
     store: Arc<dyn IdempotencyStore>,
     config: ShopConfig,
-) -> (Router<Stack<IdempotencyLayer, Identity>>, Arc<Shop>) {
+) -> (Router<ServerLayers>, Arc<Shop>) {
     let shop = Shop::new(&config);
     (server_wide(idempotency(store, &config), shop.clone()), shop)
 }

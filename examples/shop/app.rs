@@ -50,11 +50,8 @@ pub(crate) fn app(store: Arc<dyn IdempotencyStore>, config: ShopConfig) -> (Rout
     });
     let idempotency = IdempotencyLayer::from_arc(store)
         .with_retention(config.retention)
-        // One key space per API key; callers without one share the anonymous scope.
-        .with_scope(|req| {
-            let key = req.headers.get("x-api-key").and_then(|v| v.to_str().ok());
-            Some(key.map_or_else(|| "anonymous".to_owned(), |k| format!("api-key:{k}")))
-        })
+        // One key space per caller, as authenticated outside this layer.
+        .with_scope(|req| req.extensions.get::<Principal>().map(|p| p.0.clone()))
         // Tell clients how long keys live (`Idempotency-Key-TTL`).
         .with_ttl_header(true)
         // A payment whose first attempt died mid-charge: check the card network before
@@ -73,8 +70,51 @@ pub(crate) fn app(store: Arc<dyn IdempotencyStore>, config: ShopConfig) -> (Rout
         .route("/v1/orders", post(create_order))
         .route("/v1/charges", get(count_charges))
         .layer(idempotency)
+        // Added last, so it runs first: the scope function reads what it sets.
+        .layer(axum::middleware::from_fn(authenticate))
         .with_state(shop.clone());
     (router, shop)
+}
+
+/// Who is calling: set by [`authenticate`], read by the idempotency scope.
+#[derive(Debug, Clone)]
+pub(crate) struct Principal(pub(crate) String);
+
+/// A demo auth layer: `X-Api-Key` names the caller. A real service would look the key up;
+/// this one only checks its form. No key is the anonymous caller (so the README's curl
+/// walk-through works); a malformed or repeated one is 401, never the anonymous caller.
+async fn authenticate(mut req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let mut keys = req.headers().get_all("x-api-key").iter();
+    let principal = match (keys.next(), keys.next()) {
+        (None, _) => Principal("anonymous".to_owned()),
+        (Some(v), None) => match v.to_str().ok().filter(|k| is_api_key(k)) {
+            Some(k) => Principal(format!("api-key:{k}")),
+            None => return unauthorized(),
+        },
+        (Some(_), Some(_)) => return unauthorized(),
+    };
+    req.extensions_mut().insert(principal);
+    next.run(req).await
+}
+
+/// 1 to 128 visible ASCII characters (no spaces, no control or non-ASCII bytes).
+pub(crate) fn is_api_key(k: &str) -> bool {
+    (1..=128).contains(&k.len()) && k.bytes().all(|b| b.is_ascii_graphic())
+}
+
+fn unauthorized() -> Response {
+    let body = json!({
+        "type": "about:blank",
+        "title": "Unauthorized",
+        "status": 401,
+        "detail": "the X-Api-Key header is malformed",
+    });
+    let mut res = (StatusCode::UNAUTHORIZED, body.to_string()).into_response();
+    res.headers_mut().insert(
+        header::CONTENT_TYPE,
+        "application/problem+json".parse().unwrap(),
+    );
+    res
 }
 
 fn bad_request(detail: &str) -> Response {

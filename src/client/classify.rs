@@ -275,20 +275,8 @@ mod tests {
     const STATUS_WITH_RETRY_INFO: &[u8] =
         b"\x08\x0a\x12\x02hi\x1a\x36\x0a\x28type.googleapis.com/google.rpc.RetryInfo\x12\x0a\x0a\x08\x08\x02\x10\x80\xca\xb5\xee\x01";
 
-    fn b64(bytes: &[u8]) -> String {
-        const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-        let mut out = String::new();
-        for chunk in bytes.chunks(3) {
-            let n = chunk
-                .iter()
-                .enumerate()
-                .fold(0u32, |n, (i, &b)| n | (u32::from(b) << (16 - 8 * i)));
-            for i in 0..=chunk.len() {
-                out.push(A[((n >> (18 - 6 * i)) & 0x3f) as usize] as char);
-            }
-        }
-        out
-    }
+    // The server side's encoder: what the layer's own gRPC errors carry.
+    use crate::response::base64 as b64;
 
     fn grpc(code: &str, details: Option<&[u8]>) -> Verdict {
         let encoded = details.map(b64);

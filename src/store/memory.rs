@@ -7,8 +7,20 @@ use std::collections::HashMap;
 use std::fmt;
 use std::hash::BuildHasher;
 use std::num::NonZeroUsize;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
+
+// Under `--cfg shuttle` the locks and atomics are shuttle's, so the model checker in
+// tests/model explores their interleavings.
+#[cfg(shuttle)]
+use shuttle::sync::{
+    atomic::{AtomicU64, AtomicUsize, Ordering},
+    Mutex, MutexGuard,
+};
+#[cfg(not(shuttle))]
+use std::sync::{
+    atomic::{AtomicU64, AtomicUsize, Ordering},
+    Mutex, MutexGuard,
+};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -16,7 +28,7 @@ use async_trait::async_trait;
 use tokio::time::Instant;
 
 use super::{Claim, ClaimOutcome, IdempotencyStore, StoreError, StoreErrorKind};
-use crate::record::{Completion, Fingerprint, Record, RecordId, RecordState, Token};
+use crate::record::{Completion, Fingerprint, Record, RecordId, RecordState, ScopeId, Token};
 
 /// Fixed cost charged per record against `max_bytes`: the map slot, ids, fingerprint, token.
 const ENTRY_OVERHEAD: usize = 160;
@@ -70,6 +82,17 @@ struct Inner {
     min_expiry: AtomicU64,
     /// One full sweep at a time; the others wait for it and use what it freed.
     full_sweep: Mutex<()>,
+    /// Records and bytes per scope, for records claimed with a scope. Locked after a shard.
+    scopes: Mutex<HashMap<ScopeId, Usage>>,
+    max_scope_records: usize,
+    max_scope_bytes: usize,
+}
+
+/// What one scope holds.
+#[derive(Default)]
+struct Usage {
+    records: usize,
+    bytes: usize,
 }
 
 struct Shard {
@@ -84,6 +107,8 @@ struct Entry {
     expires_at: Instant,
     completion: Option<Completion>,
     size: usize,
+    /// The scope it counts against, when claimed with one.
+    scope: Option<ScopeId>,
 }
 
 /// Builds a [`MemoryStore`].
@@ -91,6 +116,8 @@ struct Entry {
 pub struct MemoryStoreBuilder {
     max_records: usize,
     max_bytes: usize,
+    max_scope_records: usize,
+    max_scope_bytes: usize,
     shards: usize,
     sweep_interval: Duration,
 }
@@ -107,6 +134,26 @@ impl MemoryStoreBuilder {
     #[must_use]
     pub fn max_bytes(mut self, n: NonZeroUsize) -> Self {
         self.max_bytes = n.get();
+        self
+    }
+
+    /// The most records one scope (tenant) may hold at once (default: no per-scope limit).
+    ///
+    /// Past it, that scope's new keys are refused with [`StoreErrorKind::QuotaExceeded`]
+    /// (the layer answers 429) while other scopes still claim: one tenant cannot fill the
+    /// store for everyone. Retries of the scope's existing records still replay.
+    #[must_use]
+    pub fn max_records_per_scope(mut self, n: NonZeroUsize) -> Self {
+        self.max_scope_records = n.get();
+        self
+    }
+
+    /// The byte budget of one scope, recorded answers included (default: no per-scope
+    /// limit). Checked when a new key is claimed: a scope at or over it gets
+    /// [`StoreErrorKind::QuotaExceeded`] until its records expire.
+    #[must_use]
+    pub fn max_bytes_per_scope(mut self, n: NonZeroUsize) -> Self {
+        self.max_scope_bytes = n.get();
         self
     }
 
@@ -147,6 +194,9 @@ impl MemoryStoreBuilder {
                 epoch: now,
                 min_expiry: AtomicU64::new(u64::MAX),
                 full_sweep: Mutex::new(()),
+                scopes: Mutex::new(HashMap::new()),
+                max_scope_records: self.max_scope_records,
+                max_scope_bytes: self.max_scope_bytes,
             }),
         }
     }
@@ -180,6 +230,8 @@ impl MemoryStore {
         MemoryStoreBuilder {
             max_records: 1_000_000,
             max_bytes: 1 << 30,
+            max_scope_records: usize::MAX,
+            max_scope_bytes: usize::MAX,
             shards: 64,
             sweep_interval: Duration::from_secs(10),
         }
@@ -226,16 +278,26 @@ impl Inner {
         shard.last_sweep = now;
         let before = shard.map.len();
         let mut freed = 0;
+        let mut scoped = Vec::new();
         shard.map.retain(|_, e| {
             let keep = e.expires_at > now;
             if !keep {
                 freed += e.size;
+                if let Some(scope) = e.scope {
+                    scoped.push((scope, e.size));
+                }
             }
             keep
         });
         let removed = before - shard.map.len();
         self.records.fetch_sub(removed, Ordering::Relaxed);
         self.bytes.fetch_sub(freed, Ordering::Relaxed);
+        if !scoped.is_empty() {
+            let mut scopes = self.scopes();
+            for (scope, size) in scoped {
+                Self::unscope(&mut scopes, scope, size);
+            }
+        }
         removed
     }
 
@@ -272,7 +334,48 @@ impl Inner {
         if let Some(e) = shard.map.remove(id) {
             self.records.fetch_sub(1, Ordering::Relaxed);
             self.bytes.fetch_sub(e.size, Ordering::Relaxed);
+            if let Some(scope) = e.scope {
+                Self::unscope(&mut self.scopes(), scope, e.size);
+            }
         }
+    }
+
+    fn scopes(&self) -> MutexGuard<'_, HashMap<ScopeId, Usage>> {
+        self.scopes.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Takes one record of `size` bytes off `scope`'s usage.
+    fn unscope(scopes: &mut HashMap<ScopeId, Usage>, scope: ScopeId, size: usize) {
+        if let Some(u) = scopes.get_mut(&scope) {
+            u.records = u.records.saturating_sub(1);
+            u.bytes = u.bytes.saturating_sub(size);
+            if u.records == 0 {
+                scopes.remove(&scope);
+            }
+        }
+    }
+
+    /// Reserves one more record for `scope`, or refuses: the scope is at its quota.
+    fn admit_scope(&self, scope: ScopeId) -> bool {
+        let mut scopes = self.scopes();
+        let u = scopes.entry(scope).or_default();
+        if u.records >= self.max_scope_records
+            || u.bytes.saturating_add(ENTRY_OVERHEAD) > self.max_scope_bytes
+        {
+            if u.records == 0 {
+                scopes.remove(&scope);
+            }
+            return false;
+        }
+        u.records += 1;
+        u.bytes += ENTRY_OVERHEAD;
+        true
+    }
+
+    /// Gives back a reservation [`admit`](Self::admit) made for a record never inserted.
+    fn unadmit(&self) {
+        self.records.fetch_sub(1, Ordering::Relaxed);
+        self.bytes.fetch_sub(ENTRY_OVERHEAD, Ordering::Relaxed);
     }
 
     /// Reserves room for one more record, or refuses. Never evicts.
@@ -307,6 +410,19 @@ impl Entry {
     }
 }
 
+/// A copy whose body owns exactly its bytes: the caller's body may be a slice of a larger
+/// buffer (a frozen `BytesMut` can hold twice its length), which the byte count would miss.
+fn exact_size(c: &Completion) -> Completion {
+    match c {
+        Completion::Response(r) => {
+            let mut r = r.clone();
+            r.body = bytes::Bytes::copy_from_slice(&r.body);
+            Completion::Response(r)
+        }
+        tomb @ Completion::Tombstone { .. } => tomb.clone(),
+    }
+}
+
 fn completion_size(c: &Completion) -> usize {
     match c {
         Completion::Tombstone { .. } => 0,
@@ -320,10 +436,28 @@ fn completion_size(c: &Completion) -> usize {
 }
 
 impl MemoryStore {
+    fn claim_as(
+        &self,
+        scope: Option<ScopeId>,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<ClaimOutcome, StoreError> {
+        // At most twice: the second time after a full sweep made room.
+        match self.try_claim(scope, id, fingerprint, lease, ttl, true)? {
+            Some(outcome) => Ok(outcome),
+            None => self
+                .try_claim(scope, id, fingerprint, lease, ttl, false)?
+                .ok_or_else(|| StoreError::new(StoreErrorKind::Full)),
+        }
+    }
+
     /// One claim under the shard lock. `None`: the store was full, a full sweep has run since,
     /// and the claim should run again (only when `may_sweep`).
     fn try_claim(
         &self,
+        scope: Option<ScopeId>,
         id: &RecordId,
         fingerprint: &Fingerprint,
         lease: Duration,
@@ -361,6 +495,7 @@ impl MemoryStore {
             expires_at: after(now, ttl.max(lease)),
             completion: None,
             size: ENTRY_OVERHEAD,
+            scope,
         };
         if self.inner.admit().is_err() {
             // Expired records that no sweep has removed yet must not make the store full:
@@ -388,6 +523,23 @@ impl MemoryStore {
                 return Ok(None);
             }
         }
+        if let Some(scope) = scope {
+            if !self.inner.admit_scope(scope) {
+                self.inner.unadmit();
+                if may_sweep && self.inner.may_have_expired(now) {
+                    // Some of the scope's records may have expired unswept: sweep, retry.
+                    drop(shard);
+                    let _one = self
+                        .inner
+                        .full_sweep
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner());
+                    self.inner.sweep_all(Instant::now());
+                    return Ok(None);
+                }
+                return Err(StoreError::new(StoreErrorKind::QuotaExceeded));
+            }
+        }
         self.inner.note_expiry(entry.expires_at);
         shard.map.insert(*id, entry);
         Ok(Some(ClaimOutcome::Claimed(Claim {
@@ -411,13 +563,18 @@ impl IdempotencyStore for MemoryStore {
         lease: Duration,
         ttl: Duration,
     ) -> Result<ClaimOutcome, StoreError> {
-        // At most twice: the second time after a full sweep made room.
-        match self.try_claim(id, fingerprint, lease, ttl, true)? {
-            Some(outcome) => Ok(outcome),
-            None => self
-                .try_claim(id, fingerprint, lease, ttl, false)?
-                .ok_or_else(|| StoreError::new(StoreErrorKind::Full)),
-        }
+        self.claim_as(None, id, fingerprint, lease, ttl)
+    }
+
+    async fn claim_in_scope(
+        &self,
+        scope: &ScopeId,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<ClaimOutcome, StoreError> {
+        self.claim_as(Some(*scope), id, fingerprint, lease, ttl)
     }
 
     async fn extend(
@@ -445,16 +602,22 @@ impl IdempotencyStore for MemoryStore {
         completion: &Completion,
         ttl: Duration,
     ) -> Result<(), StoreError> {
+        let kept = exact_size(completion);
         let mut shard = self.shard(id);
         let now = Instant::now();
         match shard.map.get_mut(id) {
             Some(e) if e.token == *token && e.completion.is_none() && e.expires_at > now => {
                 let expires_at = after(now, ttl);
-                let size = ENTRY_OVERHEAD + completion_size(completion);
+                let size = ENTRY_OVERHEAD + completion_size(&kept);
                 self.inner.bytes.fetch_add(size, Ordering::Relaxed);
                 self.inner.bytes.fetch_sub(e.size, Ordering::Relaxed);
+                if let Some(scope) = e.scope {
+                    if let Some(u) = self.inner.scopes().get_mut(&scope) {
+                        u.bytes = (u.bytes + size).saturating_sub(e.size);
+                    }
+                }
                 e.size = size;
-                e.completion = Some(completion.clone());
+                e.completion = Some(kept);
                 e.expires_at = expires_at;
                 self.inner.note_expiry(expires_at);
                 Ok(())

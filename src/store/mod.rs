@@ -179,7 +179,9 @@
 //!     }
 //! }
 //!
-//! let layer = tower_idempotency::IdempotencyLayer::new(ToyStore::default());
+//! # #[derive(Clone)] struct Tenant(String);
+//! let layer = tower_idempotency::IdempotencyLayer::new(ToyStore::default())
+//!     .with_scope(|req| req.extensions.get::<Tenant>().map(|t| t.0.clone()));
 //! # drop(layer);
 //!
 //! // The store contract, checked (about five seconds: leases and TTLs run in real time).
@@ -197,7 +199,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::record::{Completion, Fingerprint, Record, RecordId, Token};
+use crate::record::{Completion, Fingerprint, Record, RecordId, ScopeId, Token};
 
 pub mod memory;
 
@@ -256,6 +258,9 @@ pub enum StoreErrorKind {
     Unknown,
     /// Stored bytes could not be decoded.
     Corrupt,
+    /// The scope holds as many records (or bytes) as its quota allows; other scopes still
+    /// claim. Nothing was written.
+    QuotaExceeded,
     /// Anything else, see the source.
     Other,
 }
@@ -311,6 +316,7 @@ impl fmt::Display for StoreError {
             StoreErrorKind::Unavailable => "idempotency store is unavailable",
             StoreErrorKind::Unknown => "idempotency store call timed out with an unknown outcome",
             StoreErrorKind::Corrupt => "idempotency record is corrupt",
+            StoreErrorKind::QuotaExceeded => "idempotency scope is over its quota",
             StoreErrorKind::Other => "idempotency store error",
         };
         f.write_str(what)
@@ -360,6 +366,21 @@ pub trait IdempotencyStore: Send + Sync + 'static {
     /// Reads the record, if any. A record past its TTL is absent.
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError>;
 
+    /// [`claim`](Self::claim), for a record of `scope`: the layer calls this one. A store
+    /// with per-scope quotas counts the scope's records here and refuses a new record past
+    /// its quota with [`StoreErrorKind::QuotaExceeded`]. The default has no quotas.
+    async fn claim_in_scope(
+        &self,
+        scope: &ScopeId,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<ClaimOutcome, StoreError> {
+        let _ = scope;
+        self.claim(id, fingerprint, lease, ttl).await
+    }
+
     /// A short, fixed name for the `store` label of the layer's metrics (`"memory"`,
     /// `"redis"`, `"postgres"`). Default `"custom"`.
     fn name(&self) -> &'static str {
@@ -377,6 +398,19 @@ impl<T: IdempotencyStore + ?Sized> IdempotencyStore for Arc<T> {
         ttl: Duration,
     ) -> Result<ClaimOutcome, StoreError> {
         (**self).claim(id, fingerprint, lease, ttl).await
+    }
+
+    async fn claim_in_scope(
+        &self,
+        scope: &ScopeId,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<ClaimOutcome, StoreError> {
+        (**self)
+            .claim_in_scope(scope, id, fingerprint, lease, ttl)
+            .await
     }
 
     async fn extend(

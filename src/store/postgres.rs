@@ -15,7 +15,9 @@
 //!     .with_table("idempotency.records")?;
 //! store.migrate().await?;
 //! let _sweeper = store.spawn_sweeper(std::time::Duration::from_secs(60));
-//! let layer = tower_idempotency::IdempotencyLayer::new(store);
+//! # #[derive(Clone)] struct Tenant(String);
+//! let layer = tower_idempotency::IdempotencyLayer::new(store)
+//!     .with_scope(|req| req.extensions.get::<Tenant>().map(|t| t.0.clone()));
 //! # drop(layer);
 //! # Ok(()) }
 //! ```
@@ -197,6 +199,10 @@ use tokio_postgres::types::ToSql;
 use tokio_postgres::Row;
 
 pub use deadpool_postgres;
+/// The rustls the `postgres-tls` feature uses, for [`PostgresStore::connect_with_tls`].
+#[cfg(feature = "postgres-tls")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres-tls")))]
+pub use rustls;
 pub use tokio_postgres;
 
 use deadpool_postgres::{GenericClient, Object, Pool};
@@ -294,12 +300,94 @@ const EXISTING: i16 = 2;
 #[derive(Clone)]
 pub struct PostgresStore {
     pool: Pool,
-    /// The driver config when `connect` built the pool: `with_timeout` rebuilds it then.
-    config: Option<Arc<tokio_postgres::Config>>,
+    /// The driver config and TLS when `connect` built the pool: `with_timeout` rebuilds it then.
+    config: Option<Arc<Owned>>,
     table: Arc<Table>,
     sql: Arc<Sql>,
     timeout: Duration,
     retries: Arc<AtomicU64>,
+}
+
+/// libpq's `prefer` and `require`: TLS with the ring provider (never OpenSSL), the
+/// handshake's signatures checked, the certificate chain and name not.
+#[cfg(feature = "postgres-tls")]
+fn encrypt_only_config() -> rustls::ClientConfig {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    rustls::ClientConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .expect("ring supports the default protocol versions")
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(EncryptOnly(provider)))
+        .with_no_client_auth()
+}
+
+/// Accepts any server certificate (libpq's `sslmode=require`), but still checks that the
+/// server holds the certificate's key.
+#[cfg(feature = "postgres-tls")]
+#[derive(Debug)]
+struct EncryptOnly(Arc<rustls::crypto::CryptoProvider>);
+
+#[cfg(feature = "postgres-tls")]
+impl rustls::client::danger::ServerCertVerifier for EncryptOnly {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &rustls::pki_types::CertificateDer<'_>,
+        _intermediates: &[rustls::pki_types::CertificateDer<'_>],
+        _server_name: &rustls::pki_types::ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        Ok(rustls::client::danger::ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+/// What `connect` built its pool from.
+struct Owned {
+    config: tokio_postgres::Config,
+    tls: Tls,
+}
+
+/// How `connect` reaches the server.
+#[derive(Clone)]
+enum Tls {
+    /// Plaintext only: built without `postgres-tls`. `sslmode=require` then fails to connect.
+    #[cfg_attr(feature = "postgres-tls", allow(dead_code))]
+    None,
+    /// rustls, as `sslmode` says (`disable`, `prefer`, `require`).
+    #[cfg(feature = "postgres-tls")]
+    Rustls(tokio_postgres_rustls::MakeRustlsConnect),
 }
 
 impl fmt::Debug for PostgresStore {
@@ -1028,12 +1116,7 @@ impl PostgresStore {
         Self::with_parts(pool, None, table, DEFAULT_TIMEOUT)
     }
 
-    fn with_parts(
-        pool: Pool,
-        config: Option<Arc<tokio_postgres::Config>>,
-        table: Table,
-        timeout: Duration,
-    ) -> Self {
+    fn with_parts(pool: Pool, config: Option<Arc<Owned>>, table: Table, timeout: Duration) -> Self {
         Self {
             sql: Arc::new(Sql::new(&table)),
             table: Arc::new(table),
@@ -1044,19 +1127,26 @@ impl PostgresStore {
         }
     }
 
-    /// The pool `connect` makes: 16 connections without TLS, each with the server-side
-    /// timeouts for `timeout` (see [`server_timeouts`]). Does no I/O.
-    fn owned_pool(config: &tokio_postgres::Config, timeout: Duration) -> Result<Pool, StoreError> {
-        let mut config = config.clone();
+    /// The pool `connect` makes: 16 connections, each with the server-side timeouts for
+    /// `timeout` (see [`server_timeouts`]). Does no I/O.
+    fn owned_pool(owned: &Owned, timeout: Duration) -> Result<Pool, StoreError> {
+        let mut config = owned.config.clone();
         let options = timeout_options(config.get_options(), timeout);
         config.options(options);
-        let manager = deadpool_postgres::Manager::from_config(
-            config,
-            tokio_postgres::NoTls,
-            deadpool_postgres::ManagerConfig {
-                recycling_method: deadpool_postgres::RecyclingMethod::Fast,
-            },
-        );
+        let manager_config = deadpool_postgres::ManagerConfig {
+            recycling_method: deadpool_postgres::RecyclingMethod::Fast,
+        };
+        let manager = match &owned.tls {
+            Tls::None => deadpool_postgres::Manager::from_config(
+                config,
+                tokio_postgres::NoTls,
+                manager_config,
+            ),
+            #[cfg(feature = "postgres-tls")]
+            Tls::Rustls(tls) => {
+                deadpool_postgres::Manager::from_config(config, tls.clone(), manager_config)
+            }
+        };
         Pool::builder(manager)
             .max_size(16)
             .runtime(deadpool_postgres::Runtime::Tokio1)
@@ -1065,15 +1155,68 @@ impl PostgresStore {
             .map_err(|e| StoreError::with_source(StoreErrorKind::Other, e))
     }
 
-    /// Connects to `url` (a `postgres://` URL or a key-value string) without TLS, with a pool
-    /// of 16 connections, and checks that one connection opens.
+    /// Connects to `url` (a `postgres://` URL or a key-value string) with a pool of 16
+    /// connections, and checks that one connection opens.
+    ///
+    /// TLS: with the `postgres-tls` feature, connections use rustls as the URL's `sslmode`
+    /// says, with libpq's meaning: `disable` (plaintext), `prefer` (the default: TLS when the
+    /// server offers it) or `require` (TLS or no connection). As in libpq, these modes
+    /// encrypt but do not verify the server's certificate, so they work with any server
+    /// (self-signed, a managed service's private CA) and stop eavesdroppers, not an active
+    /// man in the middle. To verify the server (libpq's `verify-full`), use
+    /// [`connect_with_tls`](Self::connect_with_tls) with the CA that signed its certificate.
+    /// Without the feature connections are plaintext: `prefer` falls back to plaintext and
+    /// `require` fails.
     ///
     /// The connections' `application_name` is `tower-idempotency` unless the URL sets one.
     /// Their `statement_timeout` and `lock_timeout` sit just below the store's
     /// [timeout](Self::with_timeout), so the server ends a blocked statement itself, and TCP
     /// keepalives notice a dead peer within about a minute.
-    /// For TLS or other pool settings, build a [`Pool`] and use [`PostgresStore::new`].
+    /// For other pool settings, build a [`Pool`] and use [`PostgresStore::new`].
     pub async fn connect(url: &str) -> Result<Self, SetupError> {
+        #[cfg(feature = "postgres-tls")]
+        let tls = Tls::Rustls(tokio_postgres_rustls::MakeRustlsConnect::new(
+            encrypt_only_config(),
+        ));
+        #[cfg(not(feature = "postgres-tls"))]
+        let tls = Tls::None;
+        Self::connect_owned(url, tls).await
+    }
+
+    /// Like [`connect`](Self::connect), with your rustls configuration, which verifies the
+    /// server's certificate and host name against your root certificates (a private CA such
+    /// as a managed service's bundle), and may carry a client certificate. `sslmode` in the
+    /// URL still decides whether TLS is used: give `require`, so that no connection falls
+    /// back to plaintext.
+    ///
+    /// ```no_run
+    /// # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use tower_idempotency::store::postgres::{rustls, PostgresStore};
+    ///
+    /// let ca = std::fs::read("/etc/ssl/private-ca.der")?;
+    /// let mut roots = rustls::RootCertStore::empty();
+    /// roots.add(ca.into())?;
+    /// let tls = rustls::ClientConfig::builder()
+    ///     .with_root_certificates(roots)
+    ///     .with_no_client_auth();
+    /// let store = PostgresStore::connect_with_tls(
+    ///     "postgres://app@db.internal/app?sslmode=require",
+    ///     tls,
+    /// )
+    /// .await?;
+    /// # drop(store); Ok(()) }
+    /// ```
+    #[cfg(feature = "postgres-tls")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "postgres-tls")))]
+    pub async fn connect_with_tls(
+        url: &str,
+        tls: rustls::ClientConfig,
+    ) -> Result<Self, SetupError> {
+        let tls = Tls::Rustls(tokio_postgres_rustls::MakeRustlsConnect::new(tls));
+        Self::connect_owned(url, tls).await
+    }
+
+    async fn connect_owned(url: &str, tls: Tls) -> Result<Self, SetupError> {
         let mut config: tokio_postgres::Config = url.parse().map_err(SetupError::Url)?;
         if config.get_application_name().is_none() {
             config.application_name("tower-idempotency");
@@ -1086,14 +1229,15 @@ impl PostgresStore {
             .keepalives_idle(KEEPALIVE_IDLE)
             .keepalives_interval(KEEPALIVE_INTERVAL)
             .keepalives_retries(KEEPALIVE_RETRIES);
+        let owned = Owned { config, tls };
         // Building a pool only fails for a broken runtime setup, which a test would catch.
-        let pool = Self::owned_pool(&config, DEFAULT_TIMEOUT)
+        let pool = Self::owned_pool(&owned, DEFAULT_TIMEOUT)
             .expect("a deadpool pool with the tokio runtime builds");
         drop(pool.get().await.map_err(SetupError::Connect)?);
         let table = Table::parse(DEFAULT_TABLE).expect("the default table name is valid");
         Ok(Self::with_parts(
             pool,
-            Some(Arc::new(config)),
+            Some(Arc::new(owned)),
             table,
             DEFAULT_TIMEOUT,
         ))
@@ -1452,8 +1596,15 @@ impl PostgresStore {
                 // server (on a connection of its own, in the background, so this operation
                 // keeps its deadline), and never reuse this connection.
                 let cancel = client.cancel_token();
+                // The cancel request goes as the connection went: over TLS when it did.
+                let tls = self.config.as_ref().map_or(Tls::None, |o| o.tls.clone());
                 tokio::spawn(async move {
-                    if let Err(e) = cancel.cancel_query(tokio_postgres::NoTls).await {
+                    let sent = match tls {
+                        Tls::None => cancel.cancel_query(tokio_postgres::NoTls).await,
+                        #[cfg(feature = "postgres-tls")]
+                        Tls::Rustls(tls) => cancel.cancel_query(tls).await,
+                    };
+                    if let Err(e) = sent {
                         tracing::debug!(error = %e, "could not cancel a timed-out statement");
                     }
                 });

@@ -555,8 +555,32 @@ impl RedisStoreBuilder {
 
     /// Connects to one Redis node at `url` (`redis://[user:password@]host:port[/db]`),
     /// checks its eviction policy and loads the scripts.
+    ///
+    /// With the `redis-tls` feature, a `rediss://` URL connects over TLS (rustls, with the
+    /// platform's root certificates; the server's certificate and host name are verified).
+    /// For a private CA or a client certificate, use
+    /// [`connect_with_tls`](Self::connect_with_tls). Without the feature a `rediss://` URL
+    /// is refused.
     pub async fn connect(self, url: &str) -> Result<RedisStore, SetupError> {
         let client = redis::Client::open(url)?;
+        self.connect_client(client).await
+    }
+
+    /// Like [`connect`](Self::connect) for a `rediss://` URL, trusting the PEM root
+    /// certificates in `certs.root_cert` (a private CA) and presenting `certs.client_tls`
+    /// when the server asks for a client certificate.
+    #[cfg(feature = "redis-tls")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "redis-tls")))]
+    pub async fn connect_with_tls(
+        self,
+        url: &str,
+        certs: redis::TlsCertificates,
+    ) -> Result<RedisStore, SetupError> {
+        let client = redis::Client::build_with_tls(url, certs)?;
+        self.connect_client(client).await
+    }
+
+    async fn connect_client(self, client: redis::Client) -> Result<RedisStore, SetupError> {
         // One plain attempt first, bounded by the timeout: its error is the real cause (the
         // connection manager would retry with backoff for seconds, then report less).
         let probe = redis::AsyncConnectionConfig::new()

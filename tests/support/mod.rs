@@ -13,7 +13,7 @@ use http_body_util::{BodyExt, Full};
 use tower_idempotency::store::{
     ClaimOutcome, IdempotencyStore, MemoryStore, StoreError, StoreErrorKind,
 };
-use tower_idempotency::{Completion, Fingerprint, Record, RecordId, Token};
+use tower_idempotency::{Completion, Fingerprint, Record, RecordId, ScopeId, Token};
 
 /// Counts every store call, then delegates to a `MemoryStore`.
 #[derive(Debug, Default)]
@@ -52,6 +52,17 @@ impl IdempotencyStore for CountingStore {
     ) -> Result<ClaimOutcome, StoreError> {
         self.claims.fetch_add(1, Ordering::SeqCst);
         self.inner.claim(id, fp, lease, ttl).await
+    }
+    async fn claim_in_scope(
+        &self,
+        scope: &ScopeId,
+        id: &RecordId,
+        fp: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<ClaimOutcome, StoreError> {
+        self.claims.fetch_add(1, Ordering::SeqCst);
+        self.inner.claim_in_scope(scope, id, fp, lease, ttl).await
     }
     async fn extend(
         &self,
@@ -305,6 +316,20 @@ impl<S: IdempotencyStore> IdempotencyStore for FaultStore<S> {
     ) -> Result<ClaimOutcome, StoreError> {
         self.run(Op::Claim, self.inner.claim(id, fp, lease, ttl))
             .await
+    }
+    async fn claim_in_scope(
+        &self,
+        scope: &ScopeId,
+        id: &RecordId,
+        fp: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<ClaimOutcome, StoreError> {
+        self.run(
+            Op::Claim,
+            self.inner.claim_in_scope(scope, id, fp, lease, ttl),
+        )
+        .await
     }
     async fn extend(
         &self,

@@ -1,0 +1,65 @@
+//! Run with: `cargo bench --bench fingerprint`
+//!
+//! The canonical-JSON digest of a request body beside two baselines measured in the same
+//! run: SHA-256 of the raw bytes, and `serde_json::from_slice::<Value>` (parsing alone).
+//! Bodies of about 200 B, 1 KiB, 64 KiB and 1 MiB: orders of nested objects, escaped
+//! strings, integers and decimals.
+#![allow(missing_docs)]
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use sha2::{Digest, Sha256};
+
+/// An order of `n` items: about 110 bytes per item.
+fn order_json(n: usize) -> Vec<u8> {
+    let items: Vec<String> = (0..n)
+        .map(|i| {
+            format!(
+                r#"{{"sku":"SKU-{i:05}","name":"Item number {i} \u00e9\u00e8 \"quoted\"","qty":{},"unit_price":{}.{:02},"tags":["a","b","c"],"attrs":{{"z":{i},"a":true,"m":null}}}}"#,
+                i % 7 + 1,
+                i * 3 % 1000,
+                i % 100
+            )
+        })
+        .collect();
+    format!(
+        r#"{{"customer":"cus_123","currency":"EUR","items":[{}],"note":"deliver after 5pm"}}"#,
+        items.join(",")
+    )
+    .into_bytes()
+}
+
+fn fingerprint(c: &mut Criterion) {
+    // Item counts for bodies of about 200 B, 1 KiB, 64 KiB and 1 MiB.
+    for (label, items) in [("200B", 1), ("1KiB", 6), ("64KiB", 400), ("1MiB", 6400)] {
+        let body = order_json(items);
+        assert!(tower_idempotency::__bench::canonical_json_digest(&body).is_some());
+        let mut g = c.benchmark_group(format!("fingerprint/{label}"));
+        g.throughput(Throughput::Bytes(body.len() as u64));
+        g.warm_up_time(Duration::from_millis(500));
+        g.measurement_time(Duration::from_secs(2));
+        g.bench_with_input(
+            BenchmarkId::new("sha256_raw", body.len()),
+            &body,
+            |b, body| b.iter(|| Sha256::digest(black_box(body))),
+        );
+        g.bench_with_input(
+            BenchmarkId::new("serde_json_value", body.len()),
+            &body,
+            |b, body| {
+                b.iter(|| serde_json::from_slice::<serde_json::Value>(black_box(body)).unwrap())
+            },
+        );
+        g.bench_with_input(
+            BenchmarkId::new("canonical_json_sha256", body.len()),
+            &body,
+            |b, body| b.iter(|| tower_idempotency::__bench::canonical_json_digest(black_box(body))),
+        );
+        g.finish();
+    }
+}
+
+criterion_group!(benches, fingerprint);
+criterion_main!(benches);

@@ -1,0 +1,1 @@
+//! Nothing here: the model checks are in `tests/`.
