@@ -90,7 +90,7 @@
 //! # drop(app);
 //! ```
 //!
-//! `examples/shop` is a complete payments API: `cargo run --example shop`. `examples/grpc` is
+//! `examples/shop` is a complete payments API: `cargo run --example shop --features axum`. `examples/grpc` is
 //! the same shop over tonic; [`tonic_guide`] covers gRPC.
 //!
 //! ## Which routes are protected

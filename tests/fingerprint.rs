@@ -60,7 +60,7 @@ async fn twice(
 }
 
 fn layer() -> IdempotencyLayer {
-    IdempotencyLayer::new(MemoryStore::new())
+    IdempotencyLayer::new(MemoryStore::new()).unscoped()
 }
 
 async fn assert_replays(first: Request<Full<Bytes>>, second: Request<Full<Bytes>>) {

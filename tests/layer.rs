@@ -411,7 +411,7 @@ async fn a_tenant_over_its_quota_gets_429_and_other_tenants_are_served() {
     for fail_open in [false, true] {
         let app = App::default();
         let store = MemoryStore::builder()
-            .max_records_per_scope(NonZeroUsize::new(2).unwrap())
+            .with_max_records_per_scope(NonZeroUsize::new(2).unwrap())
             .build();
         let layer = IdempotencyLayer::new(store)
             .with_scope(|req| {
@@ -822,7 +822,7 @@ async fn fail_open_runs_the_request_unprotected_when_the_store_fails() {
 async fn a_full_memory_store_refuses_new_keys_with_503_and_still_replays_old_ones() {
     let app = App::default();
     let store = MemoryStore::builder()
-        .max_records(NonZeroUsize::new(2).unwrap())
+        .with_max_records(NonZeroUsize::new(2).unwrap())
         .build();
     let s = svc(IdempotencyLayer::new(store).unscoped(), &app);
     call(&s, post("/x", Some("a"), "{}")).await;

@@ -12,7 +12,7 @@ conformance_suite! {
     store: async { Some(Arc::new(MemoryStore::new()) as DynStore) },
     full: async {
         let store = MemoryStore::builder()
-            .max_records(NonZeroUsize::new(40).unwrap())
+            .with_max_records(NonZeroUsize::new(40).unwrap())
             .build();
         Some(Arc::new(store) as DynStore)
     },
@@ -22,7 +22,7 @@ conformance_suite! {
 #[tokio::test]
 async fn byte_budget_also_refuses_claims() {
     let store = MemoryStore::builder()
-        .max_bytes(NonZeroUsize::new(200 * 1024).unwrap())
+        .with_max_bytes(NonZeroUsize::new(200 * 1024).unwrap())
         .build();
     conformance::full_store_refuses_claims_and_keeps_records(Arc::new(store)).await;
 }
@@ -71,7 +71,7 @@ async fn a_scope_over_its_quota_is_refused_while_other_scopes_still_claim() {
     use tower_idempotency::{Fingerprint, RecordId, ScopeId};
 
     let store = MemoryStore::builder()
-        .max_records_per_scope(NonZeroUsize::new(3).unwrap())
+        .with_max_records_per_scope(NonZeroUsize::new(3).unwrap())
         .build();
     let fp = Fingerprint::from_bytes([2; 32]);
     let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(60));

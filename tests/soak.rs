@@ -162,7 +162,7 @@ async fn soak(label: &str, store: Arc<dyn tower_idempotency::store::IdempotencyS
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn soak_on_the_memory_store_answers_only_expected_statuses() {
     let store = MemoryStore::builder()
-        .sweep_interval(Duration::from_secs(1))
+        .with_sweep_interval(Duration::from_secs(1))
         .build();
     soak("soak/memory", Arc::new(store)).await;
 }

@@ -13,7 +13,7 @@ use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tower_idempotency::store::IdempotencyStore;
-use tower_idempotency::{IdempotencyLayer, Retention};
+use tower_idempotency::{IdempotencyContext, IdempotencyLayer, Retention};
 
 /// The shop's settings.
 #[derive(Debug, Clone)]
@@ -138,7 +138,12 @@ struct NewPayment {
     currency: String,
 }
 
-async fn create_payment(State(shop): State<Arc<Shop>>, body: Bytes) -> Response {
+async fn create_payment(
+    State(shop): State<Arc<Shop>>,
+    // The extractor (feature `axum`): present for every keyed request the layer runs.
+    ctx: IdempotencyContext,
+    body: Bytes,
+) -> Response {
     let Ok(p) = serde_json::from_slice::<NewPayment>(&body) else {
         return bad_request("body must be {\"amount\": <integer>, \"currency\": \"<3 letters>\"}");
     };
@@ -148,7 +153,10 @@ async fn create_payment(State(shop): State<Arc<Shop>>, body: Bytes) -> Response 
     if p.currency.len() != 3 || !p.currency.bytes().all(|b| b.is_ascii_alphabetic()) {
         return bad_request("currency must be 3 letters");
     }
-    // The card network.
+    // The card network, called with a key of its own that is the same on every retry and
+    // takeover of this payment, so a second attempt cannot charge twice downstream either.
+    let card_key = ctx.derive("card-network");
+    tracing::debug!(card_key = &card_key[..16], "charging the card");
     tokio::time::sleep(shop.card_latency).await;
     match p.amount {
         402 => (

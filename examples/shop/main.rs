@@ -1,4 +1,4 @@
-//! Run with: `cargo run --example shop`
+//! Run with: `cargo run --example shop --features axum`
 //!
 //! A payments API on 127.0.0.1:3000 (`SHOP_ADDR` overrides it) behind `IdempotencyLayer`.
 //! `IDEMPOTENCY_STORE` picks the store: unset or `memory` for the in-memory store,

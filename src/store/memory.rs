@@ -56,8 +56,8 @@ fn after(now: Instant, d: Duration) -> Instant {
 /// use tower_idempotency::store::MemoryStore;
 ///
 /// let store = MemoryStore::builder()
-///     .max_records(NonZeroUsize::new(10_000).unwrap())
-///     .max_bytes(NonZeroUsize::new(64 << 20).unwrap())
+///     .with_max_records(NonZeroUsize::new(10_000).unwrap())
+///     .with_max_bytes(NonZeroUsize::new(64 << 20).unwrap())
 ///     .build();
 /// # drop(store);
 /// ```
@@ -125,14 +125,14 @@ pub struct MemoryStoreBuilder {
 impl MemoryStoreBuilder {
     /// The most records kept at once (default 1,000,000).
     #[must_use]
-    pub fn max_records(mut self, n: NonZeroUsize) -> Self {
+    pub fn with_max_records(mut self, n: NonZeroUsize) -> Self {
         self.max_records = n.get();
         self
     }
 
     /// The byte budget for records, responses included (default 1 GiB).
     #[must_use]
-    pub fn max_bytes(mut self, n: NonZeroUsize) -> Self {
+    pub fn with_max_bytes(mut self, n: NonZeroUsize) -> Self {
         self.max_bytes = n.get();
         self
     }
@@ -143,7 +143,7 @@ impl MemoryStoreBuilder {
     /// (the layer answers 429) while other scopes still claim: one tenant cannot fill the
     /// store for everyone. Retries of the scope's existing records still replay.
     #[must_use]
-    pub fn max_records_per_scope(mut self, n: NonZeroUsize) -> Self {
+    pub fn with_max_records_per_scope(mut self, n: NonZeroUsize) -> Self {
         self.max_scope_records = n.get();
         self
     }
@@ -152,21 +152,21 @@ impl MemoryStoreBuilder {
     /// limit). Checked when a new key is claimed: a scope at or over it gets
     /// [`StoreErrorKind::QuotaExceeded`] until its records expire.
     #[must_use]
-    pub fn max_bytes_per_scope(mut self, n: NonZeroUsize) -> Self {
+    pub fn with_max_bytes_per_scope(mut self, n: NonZeroUsize) -> Self {
         self.max_scope_bytes = n.get();
         self
     }
 
     /// The number of independently locked shards (default 64).
     #[must_use]
-    pub fn shards(mut self, n: NonZeroUsize) -> Self {
+    pub fn with_shards(mut self, n: NonZeroUsize) -> Self {
         self.shards = n.get();
         self
     }
 
     /// How often a shard is swept of expired records (default 10 s).
     #[must_use]
-    pub fn sweep_interval(mut self, every: Duration) -> Self {
+    pub fn with_sweep_interval(mut self, every: Duration) -> Self {
         self.sweep_interval = every;
         self
     }
@@ -717,8 +717,8 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn expired_records_are_swept_when_a_shard_is_next_touched() {
         let store = MemoryStore::builder()
-            .shards(NonZeroUsize::new(1).unwrap())
-            .sweep_interval(Duration::from_secs(5))
+            .with_shards(NonZeroUsize::new(1).unwrap())
+            .with_sweep_interval(Duration::from_secs(5))
             .build();
         for key in ["a", "b", "c"] {
             completed(&store, key, Duration::from_secs(1)).await;
@@ -758,9 +758,9 @@ mod tests {
     async fn expired_unswept_records_never_make_the_store_full() {
         // No periodic sweep will run: only the admission path can free the slots.
         let store = MemoryStore::builder()
-            .max_records(NonZeroUsize::new(8).unwrap())
-            .shards(NonZeroUsize::new(16).unwrap())
-            .sweep_interval(Duration::from_secs(3600))
+            .with_max_records(NonZeroUsize::new(8).unwrap())
+            .with_shards(NonZeroUsize::new(16).unwrap())
+            .with_sweep_interval(Duration::from_secs(3600))
             .build();
         for i in 0..8 {
             completed(&store, &format!("old-{i}"), Duration::from_secs(1)).await;
@@ -811,7 +811,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn keep_forever_durations_neither_panic_nor_leak_a_slot() {
         let store = MemoryStore::builder()
-            .max_records(NonZeroUsize::new(1).unwrap())
+            .with_max_records(NonZeroUsize::new(1).unwrap())
             .build();
         let forever = Duration::MAX;
         for key in ["a", "b", "c"] {
@@ -839,7 +839,7 @@ mod tests {
     #[tokio::test]
     async fn a_failed_random_source_fails_the_claim_and_takes_no_slot() {
         let store = MemoryStore::builder()
-            .max_records(NonZeroUsize::new(1).unwrap())
+            .with_max_records(NonZeroUsize::new(1).unwrap())
             .build();
         let id = RecordId::new(None, "k");
         crate::record::FAIL_RANDOM.with(|f| f.set(true));

@@ -66,7 +66,7 @@ fn concurrent_claims_of_an_absent_key_claim_it_once() {
     check(|| {
         let store = Arc::new(
             MemoryStore::builder()
-                .shards(NonZeroUsize::new(2).unwrap())
+                .with_shards(NonZeroUsize::new(2).unwrap())
                 .build(),
         );
         let id = RecordId::new(Some("model"), "k");
@@ -181,8 +181,8 @@ fn a_full_store_admits_exactly_its_budget_and_release_frees_it() {
     check(|| {
         let store = Arc::new(
             MemoryStore::builder()
-                .max_records(NonZeroUsize::new(1).unwrap())
-                .shards(NonZeroUsize::new(2).unwrap())
+                .with_max_records(NonZeroUsize::new(1).unwrap())
+                .with_shards(NonZeroUsize::new(2).unwrap())
                 .build(),
         );
         let handles: Vec<_> = (0..3)
