@@ -478,7 +478,7 @@ impl IdempotencyLayer {
     }
 
     /// When the store refuses a claim because the caller's scope is over its per-scope quota
-    /// (see [`MemoryStoreBuilder::max_records_per_scope`](crate::store::memory::MemoryStoreBuilder::max_records_per_scope)),
+    /// (see [`MemoryStoreBuilder::with_max_records_per_scope`](crate::store::memory::MemoryStoreBuilder::with_max_records_per_scope)),
     /// run that caller's request unprotected instead of answering 429
     /// ([`ErrorKind::QuotaExceeded`](crate::ErrorKind::QuotaExceeded), gRPC
     /// `RESOURCE_EXHAUSTED`). Default `false`. Other scopes are unaffected either way.
