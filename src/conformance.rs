@@ -961,28 +961,11 @@ where
 {
     type Check = fn(DynStore) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
     macro_rules! checks {
-        ($($name:ident),* $(,)?) => {
+        ($($name:ident,)*) => {
             [$((stringify!($name), (|s| Box::pin($name(s))) as Check)),*]
         };
     }
-    let checks = checks![
-        concurrent_claims_of_one_key_yield_exactly_one_claimed,
-        completed_records_replay_byte_exactly,
-        different_fingerprint_sees_the_existing_record,
-        lapsed_lease_is_taken_over_with_a_greater_generation,
-        stale_tokens_change_nothing,
-        release_frees_the_key,
-        claim_in_scope_claims_the_same_record,
-        extend_keeps_the_lease_alive,
-        ttl_expiry_makes_the_key_new,
-        completed_records_are_not_taken_over_after_the_lease,
-        scopes_are_isolated,
-        records_live_for_their_ttl_and_no_longer,
-        ttl_counts_from_completion,
-        concurrent_claims_of_a_lapsed_or_expired_record_yield_exactly_one,
-        forged_extend_leaves_the_lease_unchanged,
-        lost_replies_are_unknown_and_resends_are_idempotent,
-    ];
+    let checks = crate::__conformance_checks!([checks]);
     let mut running = Vec::new();
     for (name, check) in checks {
         let store = new_store().await;
@@ -1008,15 +991,14 @@ where
     }
 }
 
-/// Generates one `#[tokio::test]` per conformance check.
-///
-/// `store` is an async block yielding `Option<DynStore>` (a fresh store, or `None` to skip);
-/// `full`, when given, yields `Option<DynStore>` for a store small enough to fill; `admin`,
-/// when given, yields `Option<DynAdminStore>` (a store with the operator API).
+/// The one list of the checks every store runs (the full-store and operator checks apart):
+/// `__conformance_checks!([callback] args…)` expands to `callback! { args… name, name, … }`, so
+/// `run_all` and `conformance_suite!` cannot drift apart.
+#[doc(hidden)]
 #[macro_export]
-macro_rules! conformance_suite {
-    (store: $store:expr $(, full: $full:expr)? $(, admin: $admin:expr)? $(,)?) => {
-        $crate::conformance_suite!(@test $store;
+macro_rules! __conformance_checks {
+    ([$($callback:tt)+] $($args:tt)*) => {
+        $($callback)+! { $($args)*
             concurrent_claims_of_one_key_yield_exactly_one_claimed,
             completed_records_replay_byte_exactly,
             different_fingerprint_sees_the_existing_record,
@@ -1033,7 +1015,19 @@ macro_rules! conformance_suite {
             concurrent_claims_of_a_lapsed_or_expired_record_yield_exactly_one,
             forged_extend_leaves_the_lease_unchanged,
             lost_replies_are_unknown_and_resends_are_idempotent,
-        );
+        }
+    };
+}
+
+/// Generates one `#[tokio::test]` per conformance check.
+///
+/// `store` is an async block yielding `Option<DynStore>` (a fresh store, or `None` to skip);
+/// `full`, when given, yields `Option<DynStore>` for a store small enough to fill; `admin`,
+/// when given, yields `Option<DynAdminStore>` (a store with the operator API).
+#[macro_export]
+macro_rules! conformance_suite {
+    (store: $store:expr $(, full: $full:expr)? $(, admin: $admin:expr)? $(,)?) => {
+        $crate::__conformance_checks!([$crate::conformance_suite] @test $store;);
         $(
             $crate::conformance_suite!(@test $full; full_store_refuses_claims_and_keeps_records,);
         )?
