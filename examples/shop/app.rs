@@ -34,6 +34,15 @@ pub(crate) struct Shop {
 }
 
 impl Shop {
+    fn new(card_latency: Duration) -> Self {
+        Self {
+            charges: AtomicU64::new(0),
+            payments: AtomicU64::new(0),
+            orders: AtomicU64::new(0),
+            card_latency,
+        }
+    }
+
     /// Charges made since start.
     pub(crate) fn charges(&self) -> u64 {
         self.charges.load(Ordering::SeqCst)
@@ -42,12 +51,7 @@ impl Shop {
 
 /// The shop's API behind the idempotency layer. Returns the router and the shop state.
 pub(crate) fn app(store: Arc<dyn IdempotencyStore>, config: ShopConfig) -> (Router, Arc<Shop>) {
-    let shop = Arc::new(Shop {
-        charges: AtomicU64::new(0),
-        payments: AtomicU64::new(0),
-        orders: AtomicU64::new(0),
-        card_latency: config.card_latency,
-    });
+    let shop = Arc::new(Shop::new(config.card_latency));
     let idempotency = IdempotencyLayer::from_arc(store)
         .with_retention(config.retention)
         // One key space per caller, as authenticated outside this layer.
@@ -65,15 +69,27 @@ pub(crate) fn app(store: Arc<dyn IdempotencyStore>, config: ShopConfig) -> (Rout
                 "payment key abandoned by an earlier attempt: reconcile with the card network"
             );
         });
-    let router = Router::new()
-        .route("/v1/payments", post(create_payment))
-        .route("/v1/orders", post(create_order))
-        .route("/v1/charges", get(count_charges))
+    let router = routes()
         .layer(idempotency)
         // Added last, so it runs first: the scope function reads what it sets.
         .layer(axum::middleware::from_fn(authenticate))
         .with_state(shop.clone());
     (router, shop)
+}
+
+/// The same API with no idempotency layer: the load script's baseline (`bench/load.sh`),
+/// so that both run the very same handlers and auth.
+pub(crate) fn bare_app(config: ShopConfig) -> Router {
+    routes()
+        .layer(axum::middleware::from_fn(authenticate))
+        .with_state(Arc::new(Shop::new(config.card_latency)))
+}
+
+fn routes() -> Router<Arc<Shop>> {
+    Router::new()
+        .route("/v1/payments", post(create_payment))
+        .route("/v1/orders", post(create_order))
+        .route("/v1/charges", get(count_charges))
 }
 
 /// Who is calling: set by [`authenticate`], read by the idempotency scope.
@@ -140,8 +156,9 @@ struct NewPayment {
 
 async fn create_payment(
     State(shop): State<Arc<Shop>>,
-    // The extractor (feature `axum`): present for every keyed request the layer runs.
-    ctx: IdempotencyContext,
+    // The extractor (feature `axum`): present for every keyed request the layer runs;
+    // absent only in the load script's bare baseline, which has no layer.
+    ctx: Option<IdempotencyContext>,
     body: Bytes,
 ) -> Response {
     let Ok(p) = serde_json::from_slice::<NewPayment>(&body) else {
@@ -155,9 +172,13 @@ async fn create_payment(
     }
     // The card network, called with a key of its own that is the same on every retry and
     // takeover of this payment, so a second attempt cannot charge twice downstream either.
-    let card_key = ctx.derive("card-network");
-    tracing::debug!(card_key = &card_key[..16], "charging the card");
-    tokio::time::sleep(shop.card_latency).await;
+    if let Some(ctx) = ctx {
+        let card_key = ctx.derive("card-network");
+        tracing::debug!(card_key = &card_key[..16], "charging the card");
+    }
+    if !shop.card_latency.is_zero() {
+        tokio::time::sleep(shop.card_latency).await;
+    }
     match p.amount {
         402 => (
             StatusCode::PAYMENT_REQUIRED,

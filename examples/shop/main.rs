@@ -6,6 +6,8 @@
 //! `CARD_LATENCY_MS`, `IDEMPOTENCY_LEASE_MS` and `IDEMPOTENCY_TTL_SECS` tune it.
 //! `ADMIN_TOKEN` mounts the admin routes (`/admin/idempotency/{scope}/{key}`) behind that
 //! bearer token; `--features metrics,axum` serves `GET /metrics` (Prometheus).
+//! `SHOP_IDEMPOTENCY=off` serves the same handlers without the layer (the load script's
+//! baseline, `bench/load.sh`).
 
 mod admin;
 mod app;
@@ -24,6 +26,13 @@ async fn run() -> Result<(), common::BoxError> {
         card_latency,
         retention,
     };
+    let addr = std::env::var("SHOP_ADDR").unwrap_or_else(|_| "127.0.0.1:3000".into());
+    if std::env::var("SHOP_IDEMPOTENCY").is_ok_and(|v| v == "off") {
+        let listener = tokio::net::TcpListener::bind(&addr).await?;
+        tracing::info!("shop listening on http://{addr} WITHOUT the idempotency layer");
+        axum::serve(listener, app::bare_app(config)).await?;
+        return Ok(());
+    }
     #[cfg(feature = "metrics")]
     let metrics = metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder()?;
     let store = common::store_from_env().await?;
@@ -31,7 +40,6 @@ async fn run() -> Result<(), common::BoxError> {
     #[cfg(feature = "metrics")]
     let router = router.merge(admin::metrics_router(metrics));
     let router = admin::mount_admin(router, store, std::env::var("ADMIN_TOKEN").ok());
-    let addr = std::env::var("SHOP_ADDR").unwrap_or_else(|_| "127.0.0.1:3000".into());
     let listener = tokio::net::TcpListener::bind(&addr).await?;
     tracing::info!("shop listening on http://{addr}");
     axum::serve(listener, router).await?;
