@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use bytes::{Buf, BufMut, Bytes};
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use rand_chacha::rand_core::{RngCore, SeedableRng};
+use rand_chacha::ChaCha12Rng;
 use sha2::{Digest, Sha256};
 
 use crate::store::{StoreError, StoreErrorKind};
@@ -226,9 +228,32 @@ fn random_nonce() -> Result<[u8; 16], StoreError> {
     if let Some(fixed) = FIXED_NONCE.with(std::cell::Cell::get) {
         return Ok(fixed);
     }
-    getrandom::fill(&mut nonce)
-        .map_err(|e| StoreError::with_source(StoreErrorKind::Unavailable, RandomUnavailable(e)))?;
-    Ok(nonce)
+    NONCES.with(|cell| {
+        let mut rng = cell.borrow_mut();
+        let rng = match &mut *rng {
+            Some(rng) => rng,
+            None => {
+                // Seeded from the OS once per thread; a failed seed fails this claim and is
+                // tried again on the next one, never replaced by a fixed seed.
+                let mut seed = [0u8; 32];
+                getrandom::fill(&mut seed).map_err(|e| {
+                    StoreError::with_source(StoreErrorKind::Unavailable, RandomUnavailable(e))
+                })?;
+                rng.insert(ChaCha12Rng::from_seed(seed))
+            }
+        };
+        rng.fill_bytes(&mut nonce);
+        Ok(nonce)
+    })
+}
+
+thread_local! {
+    /// A user-space CSPRNG per thread. Nonces only need to be unpredictable and distinct:
+    /// ChaCha12 from a 256-bit OS seed gives that, at a few nanoseconds instead of a
+    /// syscall. A process that forks after making nonces copies the generator; a forked
+    /// child must not serve requests before it `exec`s (tokio runtimes don't survive a fork
+    /// either).
+    static NONCES: std::cell::RefCell<Option<ChaCha12Rng>> = const { std::cell::RefCell::new(None) };
 }
 
 /// A recorded response, replayed byte for byte.
