@@ -348,22 +348,67 @@ impl Flow {
             }
             Step::Claimed(claim, sent) => (claim, sent),
         };
-        // 7-9 run on their own task: a dropped response future (client gone, deadline)
-        // cannot cancel the work between the claim and the record. The task hands the answer
-        // over as soon as it has one, and settles released claims after that.
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        tokio::spawn(
+        // 7-9 run here, inline, until the answer is out; what is left then (settling a
+        // released claim, a streamed answer's end) or when this future is dropped (client
+        // gone, a deadline) moves onto a task of its own: nothing can cancel the work between
+        // the claim and the record. Inline saves a spawn and a cross-thread wake per request.
+        let (tx, mut rx) = tokio::sync::oneshot::channel();
+        let mut work = Detachable::new(
             async move {
                 let lease = Lease::new(sent, &keyed.flow.cfg.retention);
                 keyed.execute(inner, parts, bytes, claim, lease, tx).await;
             }
             .instrument(span),
         );
-        match rx.await {
+        // Work that ended has sent or dropped `tx`, so `rx` is ready then.
+        let delivered = std::future::poll_fn(|cx| {
+            work.poll_inline(cx);
+            Pin::new(&mut rx).poll(cx)
+        })
+        .await;
+        drop(work);
+        match delivered {
             Ok(Ok(answer)) => answer,
             Ok(Err(panic)) => std::panic::resume_unwind(panic),
             // The task itself panicked outside the inner call: a bug in this crate.
             Err(_) => panic!("tower-idempotency: the request task ended without an answer"),
+        }
+    }
+}
+
+/// The work of a won claim, polled inline by the response future. Dropped unfinished (the
+/// answer is out and settling goes on, or the response future itself was dropped), it goes
+/// on running on a task of its own.
+struct Detachable {
+    future: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
+}
+
+impl Detachable {
+    fn new(future: impl Future<Output = ()> + Send + 'static) -> Self {
+        Self {
+            future: Some(Box::pin(future)),
+        }
+    }
+
+    /// Polls the work, unless it has finished.
+    fn poll_inline(&mut self, cx: &mut Context<'_>) {
+        if let Some(future) = &mut self.future {
+            if future.as_mut().poll(cx).is_ready() {
+                self.future = None;
+            }
+        }
+    }
+}
+
+impl Drop for Detachable {
+    fn drop(&mut self) {
+        if let Some(future) = self.future.take() {
+            match tokio::runtime::Handle::try_current() {
+                Ok(runtime) => drop(runtime.spawn(future)),
+                // No runtime (it is shutting down): the work goes with it, as a spawned task
+                // would; the claim lapses with its lease.
+                Err(_) => tracing::warn!("no tokio runtime to finish an idempotent request on; its claim lapses with its lease"),
+            }
         }
     }
 }
