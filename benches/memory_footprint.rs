@@ -24,8 +24,14 @@ fn rss_bytes() -> usize {
 
 fn answer() -> Completion {
     let mut headers = HeaderMap::new();
-    headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    headers.insert("x-request-id", HeaderValue::from_static("req_8f14e45fceea167a5a36dedd4bea2543"));
+    headers.insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    headers.insert(
+        "x-request-id",
+        HeaderValue::from_static("req_8f14e45fceea167a5a36dedd4bea2543"),
+    );
     // 237 bytes, as a payment API answers.
     let mut body = br#"{"id":"pay_000000000001","object":"payment","amount":1999,"currency":"eur","status":"succeeded","customer":"cus_00000000000000000001","created":1764460800,"description":"order 1234","metadata":{"order":"ord_1234"},"livemode":false}"#.to_vec();
     body.resize(237, b' ');

@@ -24,14 +24,16 @@ use std::sync::{
 use std::time::Duration;
 
 use async_trait::async_trait;
+use bytes::Bytes;
 // tokio's Instant is the monotonic clock, and it follows `tokio::time::pause` in tests.
 use tokio::time::Instant;
 
 use super::{Claim, ClaimOutcome, IdempotencyStore, StoreError, StoreErrorKind};
 use crate::record::{Completion, Fingerprint, Record, RecordId, RecordState, ScopeId, Token};
 
-/// Fixed cost charged per record against `max_bytes`: the map slot, ids, fingerprint, token.
-const ENTRY_OVERHEAD: usize = 160;
+/// Fixed cost charged per record against `max_bytes`: the map slot (id and [`Entry`], 168
+/// bytes) at the map's average load, rounded up.
+const ENTRY_OVERHEAD: usize = 256;
 
 /// The longest lease or TTL the store keeps: 100 years stands for "forever". Longer ones
 /// (`Duration::MAX`) are cut to it, so an `Instant` sum can never overflow and panic.
@@ -100,15 +102,20 @@ struct Shard {
     last_sweep: Instant,
 }
 
+// Kept small (136 bytes; with its id, a map slot is 168): a store of a million records
+// pays for every byte of it at the map's load factor. BENCHMARKS.md has bytes per record.
 struct Entry {
     fingerprint: Fingerprint,
     token: Token,
     lease_until: Instant,
     expires_at: Instant,
-    completion: Option<Completion>,
-    size: usize,
-    /// The scope it counts against, when claimed with one.
-    scope: Option<ScopeId>,
+    /// The answer in [`Completion::encode`]'s form: one exact-size allocation instead of a
+    /// `HeaderMap` (a few hundred bytes for two headers) and a body.
+    completion: Option<Bytes>,
+    /// What the record counts against `max_bytes`.
+    size: u32,
+    /// The scope it counts against, only when per-scope quotas are set.
+    scope: Option<Box<ScopeId>>,
 }
 
 /// Builds a [`MemoryStore`].
@@ -282,9 +289,9 @@ impl Inner {
         shard.map.retain(|_, e| {
             let keep = e.expires_at > now;
             if !keep {
-                freed += e.size;
-                if let Some(scope) = e.scope {
-                    scoped.push((scope, e.size));
+                freed += e.size as usize;
+                if let Some(scope) = e.scope.take() {
+                    scoped.push((*scope, e.size as usize));
                 }
             }
             keep
@@ -333,9 +340,9 @@ impl Inner {
     fn remove(&self, shard: &mut Shard, id: &RecordId) {
         if let Some(e) = shard.map.remove(id) {
             self.records.fetch_sub(1, Ordering::Relaxed);
-            self.bytes.fetch_sub(e.size, Ordering::Relaxed);
+            self.bytes.fetch_sub(e.size as usize, Ordering::Relaxed);
             if let Some(scope) = e.scope {
-                Self::unscope(&mut self.scopes(), scope, e.size);
+                Self::unscope(&mut self.scopes(), *scope, e.size as usize);
             }
         }
     }
@@ -395,44 +402,30 @@ impl Inner {
 }
 
 impl Entry {
-    fn record(&self, now: Instant) -> Record {
+    fn record(&self, now: Instant) -> Result<Record, StoreError> {
         let state = match &self.completion {
-            Some(c) => RecordState::Completed(c.clone()),
+            // The body shares the record's allocation: a replay copies no body.
+            Some(c) => RecordState::Completed(
+                Completion::decode(c.clone())
+                    .map_err(|e| StoreError::with_source(StoreErrorKind::Corrupt, e))?,
+            ),
             None => RecordState::InProgress {
                 lease_remaining: self.lease_until.saturating_duration_since(now),
             },
         };
-        Record {
+        Ok(Record {
             fingerprint: self.fingerprint,
             generation: self.token.generation(),
             state,
-        }
+        })
     }
 }
 
-/// A copy whose body owns exactly its bytes: the caller's body may be a slice of a larger
-/// buffer (a frozen `BytesMut` can hold twice its length), which the byte count would miss.
-fn exact_size(c: &Completion) -> Completion {
-    match c {
-        Completion::Response(r) => {
-            let mut r = r.clone();
-            r.body = bytes::Bytes::copy_from_slice(&r.body);
-            Completion::Response(r)
-        }
-        tomb @ Completion::Tombstone { .. } => tomb.clone(),
-    }
-}
-
-fn completion_size(c: &Completion) -> usize {
-    match c {
-        Completion::Tombstone { .. } => 0,
-        Completion::Response(r) => {
-            let headers = |h: &http::HeaderMap| -> usize {
-                h.iter().map(|(n, v)| n.as_str().len() + v.len() + 16).sum()
-            };
-            r.body.len() + headers(&r.headers) + r.trailers.as_ref().map_or(0, headers)
-        }
-    }
+/// The answer as kept: encoded into one allocation of exactly its size. A copy, so the
+/// caller's body, which may be a slice of a larger buffer (a frozen `BytesMut` can hold twice
+/// its length), is never kept alive by the store and the byte count is true.
+fn encode_exact(c: &Completion) -> Bytes {
+    Bytes::from(c.encode().into_boxed_slice())
 }
 
 impl MemoryStore {
@@ -444,6 +437,11 @@ impl MemoryStore {
         lease: Duration,
         ttl: Duration,
     ) -> Result<ClaimOutcome, StoreError> {
+        // Scopes are counted only when a quota needs them: otherwise a claim would lock the
+        // shared scope table for nothing.
+        let quotas =
+            self.inner.max_scope_records != usize::MAX || self.inner.max_scope_bytes != usize::MAX;
+        let scope = scope.filter(|_| quotas);
         // At most twice: the second time after a full sweep made room.
         match self.try_claim(scope, id, fingerprint, lease, ttl, true)? {
             Some(outcome) => Ok(outcome),
@@ -482,7 +480,7 @@ impl MemoryStore {
                         lapsed_for,
                     })));
                 }
-                return Ok(Some(ClaimOutcome::Existing(e.record(now))));
+                return Ok(Some(ClaimOutcome::Existing(e.record(now)?)));
             }
             self.inner.remove(&mut shard, id);
         }
@@ -494,8 +492,8 @@ impl MemoryStore {
             lease_until: after(now, lease),
             expires_at: after(now, ttl.max(lease)),
             completion: None,
-            size: ENTRY_OVERHEAD,
-            scope,
+            size: ENTRY_OVERHEAD as u32,
+            scope: scope.map(Box::new),
         };
         if self.inner.admit().is_err() {
             // Expired records that no sweep has removed yet must not make the store full:
@@ -602,18 +600,21 @@ impl IdempotencyStore for MemoryStore {
         completion: &Completion,
         ttl: Duration,
     ) -> Result<(), StoreError> {
-        let kept = exact_size(completion);
+        let kept = encode_exact(completion);
+        // Malloc rounds each allocation up and adds a header: 16 bytes.
+        let size = u32::try_from(ENTRY_OVERHEAD + kept.len() + 16).unwrap_or(u32::MAX);
         let mut shard = self.shard(id);
         let now = Instant::now();
         match shard.map.get_mut(id) {
             Some(e) if e.token == *token && e.completion.is_none() && e.expires_at > now => {
                 let expires_at = after(now, ttl);
-                let size = ENTRY_OVERHEAD + completion_size(&kept);
-                self.inner.bytes.fetch_add(size, Ordering::Relaxed);
-                self.inner.bytes.fetch_sub(e.size, Ordering::Relaxed);
-                if let Some(scope) = e.scope {
-                    if let Some(u) = self.inner.scopes().get_mut(&scope) {
-                        u.bytes = (u.bytes + size).saturating_sub(e.size);
+                self.inner.bytes.fetch_add(size as usize, Ordering::Relaxed);
+                self.inner
+                    .bytes
+                    .fetch_sub(e.size as usize, Ordering::Relaxed);
+                if let Some(scope) = &e.scope {
+                    if let Some(u) = self.inner.scopes().get_mut(&**scope) {
+                        u.bytes = (u.bytes + size as usize).saturating_sub(e.size as usize);
                     }
                 }
                 e.size = size;
@@ -646,11 +647,12 @@ impl IdempotencyStore for MemoryStore {
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         let shard = self.shard(id);
         let now = Instant::now();
-        Ok(shard
+        shard
             .map
             .get(id)
             .filter(|e| e.expires_at > now)
-            .map(|e| e.record(now)))
+            .map(|e| e.record(now))
+            .transpose()
     }
 }
 
@@ -659,11 +661,12 @@ impl super::IdempotencyAdmin for MemoryStore {
     async fn inspect(&self, id: &RecordId) -> Result<Option<super::RecordInfo>, StoreError> {
         let shard = self.shard(id);
         let now = Instant::now();
-        Ok(shard
+        shard
             .map
             .get(id)
             .filter(|e| e.expires_at > now)
-            .map(|e| super::RecordInfo::new(&e.record(now), e.expires_at - now)))
+            .map(|e| Ok(super::RecordInfo::new(&e.record(now)?, e.expires_at - now)))
+            .transpose()
     }
 
     async fn force_release(&self, id: &RecordId) -> Result<super::Removal, StoreError> {
@@ -736,7 +739,12 @@ mod tests {
         completed(&store, "d", Duration::from_secs(60)).await;
         assert_eq!(store.len(), 1, "the touch swept the expired three");
         let before = store.inner.bytes.load(Ordering::Relaxed);
-        assert_eq!(before, ENTRY_OVERHEAD, "their bytes were returned too");
+        // One completed tombstone: the slot, its 4 encoded bytes and their malloc header.
+        assert_eq!(
+            before,
+            ENTRY_OVERHEAD + 4 + 16,
+            "their bytes were returned too"
+        );
     }
 
     #[tokio::test(start_paused = true)]
