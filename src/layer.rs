@@ -160,6 +160,8 @@ pub(crate) struct Config {
     pub(crate) on_abandoned: Option<AbandonedFn>,
     /// Send [`TTL_HEADER`] on recorded answers and replays.
     pub(crate) ttl_header: bool,
+    /// Whether a recorded answer's `Vary` headers must match on replay.
+    pub(crate) vary_match: bool,
 }
 
 pub(crate) type AbandonedFn = Arc<dyn Fn(&crate::Abandoned) + Send + Sync>;
@@ -308,6 +310,7 @@ impl IdempotencyLayer {
                 route_label: std::borrow::Cow::Borrowed("unnamed"),
                 on_abandoned: None,
                 ttl_header: false,
+                vary_match: true,
             }),
         }
     }
@@ -434,6 +437,18 @@ impl IdempotencyLayer {
     /// Adds a request header to the fingerprint.
     pub fn with_fingerprint_header(self, name: HeaderName) -> Self {
         self.edit(|c| c.fingerprint.headers.push(name))
+    }
+
+    /// Whether a recorded answer's `Vary` is part of the match (default `true`).
+    ///
+    /// When an answer names request headers in `Vary` (`Authorization`, `Accept-Language`),
+    /// the record keeps a digest of the first request's values of them, and a retry that sends
+    /// other values gets `422` instead of that answer: within one scope, an answer made for
+    /// one user is not replayed to another. `Vary: *` names nothing to compare. Headers that
+    /// must match whatever the answer says belong in
+    /// [`with_fingerprint_header`](Self::with_fingerprint_header).
+    pub fn with_vary_match(self, on: bool) -> Self {
+        self.edit(|c| c.vary_match = on)
     }
 
     /// Leaves the response header or trailer `name` out of every record, so replays do not

@@ -184,15 +184,79 @@ pub(crate) fn replay<B: Body>(stored: &StoredResponse) -> Response<ResponseBody<
     ));
     *res.status_mut() = stored.status;
     *res.headers_mut() = stored.headers.clone();
+    res.headers_mut().remove(VARY_DIGEST);
     res.headers_mut()
         .insert(REPLAYED, HeaderValue::from_static("true"));
     res
 }
 
+/// Kept in a record beside the answer's headers, never sent: a digest of the request's
+/// values of the headers the answer's `Vary` names. Removed on replay.
+pub(crate) const VARY_DIGEST: &str = "idempotency-vary-digest";
+
+/// The request header names an answer's `Vary` lists: lower-case, sorted, once each.
+/// `Vary: *` (varies on more than headers) names nothing that can be matched; the scope and
+/// the fingerprint are all that decide then.
+fn vary_names(answer: &HeaderMap) -> Vec<String> {
+    let mut names: Vec<String> = answer
+        .get_all(http::header::VARY)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|n| n.trim().to_ascii_lowercase())
+        .filter(|n| !n.is_empty() && n != "*")
+        .collect();
+    names.sort_unstable();
+    names.dedup();
+    names
+}
+
+/// The digest of `request`'s values of `names`, each name's values in order.
+fn vary_digest(names: &[String], request: &HeaderMap) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    h.update(b"tower-idempotency vary v1\0");
+    for name in names {
+        h.update((name.len() as u64).to_be_bytes());
+        h.update(name.as_bytes());
+        let values = request.get_all(name.as_str());
+        h.update((values.iter().count() as u64).to_be_bytes());
+        for v in values {
+            h.update((v.len() as u64).to_be_bytes());
+            h.update(v.as_bytes());
+        }
+    }
+    crate::record::hex(&h.finalize())
+}
+
+/// Adds the [`VARY_DIGEST`] of `request` to recorded headers whose `Vary` names headers.
+pub(crate) fn note_vary(recorded: &mut HeaderMap, request: &HeaderMap) {
+    let names = vary_names(recorded);
+    if names.is_empty() {
+        return;
+    }
+    let digest = vary_digest(&names, request);
+    recorded.insert(
+        VARY_DIGEST,
+        HeaderValue::from_str(&digest).expect("hex is a valid header value"),
+    );
+}
+
+/// Whether `request` may be given `stored`: it sends the same values of every header the
+/// answer varies on. A record without a digest (recorded with Vary matching off, or with no
+/// `Vary`) matches.
+pub(crate) fn vary_matches(stored: &StoredResponse, request: &HeaderMap) -> bool {
+    let Some(recorded) = stored.headers.get(VARY_DIGEST) else {
+        return true;
+    };
+    let names = vary_names(&stored.headers);
+    vary_digest(&names, request).as_bytes() == recorded.as_bytes()
+}
+
 /// Never recorded, in headers or trailers, on HTTP or gRPC: the connection's own (HTTP/2
 /// refuses them), values that describe one transmission, cookies (a replay must not hand one
 /// caller's session to whoever retries), and the replay marker itself.
-pub(crate) const UNRECORDED: [&str; 11] = [
+pub(crate) const UNRECORDED: [&str; 12] = [
     "connection",
     "keep-alive",
     "proxy-connection",
@@ -204,6 +268,8 @@ pub(crate) const UNRECORDED: [&str; 11] = [
     "date",
     "set-cookie",
     "idempotent-replayed",
+    // Only the layer writes it; an inner service's own would be trusted on replay.
+    VARY_DIGEST,
 ];
 
 /// The fields kept when recording a response's headers or trailers: all but [`UNRECORDED`]

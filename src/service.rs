@@ -339,7 +339,7 @@ impl Flow {
         };
         // 6. Claim, inline: a replay or a conflict costs no task. A response future dropped
         // mid-claim leaves the claim to `PendingClaim`, which releases it if it was won.
-        let (claim, sent) = match keyed.claim().instrument(span.clone()).await {
+        let (claim, sent) = match keyed.claim(&parts.headers).instrument(span.clone()).await {
             Step::Answer(res) => return Ok(res),
             Step::FailOpen => {
                 let mut inner = inner;
@@ -702,7 +702,7 @@ fn jitter(pause: Duration) -> Duration {
 }
 
 impl Keyed {
-    async fn claim<B: Body>(&self) -> Step<B> {
+    async fn claim<B: Body>(&self, request: &HeaderMap) -> Step<B> {
         let cfg = &*self.flow.cfg;
         let (lease, ttl) = (cfg.retention.lease(), cfg.retention.ttl());
         let timeout = cfg.retention.store_timeout();
@@ -769,6 +769,14 @@ impl Keyed {
             }
             match record.state {
                 RecordState::Completed(Completion::Response(stored)) => {
+                    if cfg.vary_match && !response::vary_matches(&stored, request) {
+                        self.outcome("mismatch");
+                        let err = IdempotencyError::new(
+                            ErrorKind::Mismatch,
+                            "this idempotency key was already used by a request whose answer varies on request headers (its Vary) that this one sends differently",
+                        );
+                        return Step::Answer(self.flow.error(err));
+                    }
                     self.outcome("replayed");
                     let mut res = response::replay(&stored);
                     self.publish_ttl(res.headers_mut());
@@ -860,6 +868,9 @@ impl Keyed {
             self.flow.cfg.clone(),
         );
         parts.extensions.insert(ctx);
+        // What a recorded answer's `Vary` names is known only once it exists: keep the
+        // request's headers until then.
+        let request_headers = self.flow.cfg.vary_match.then(|| parts.headers.clone());
         let req = Request::from_parts(parts, RequestBody::buffered(bytes));
 
         let work = AssertUnwindSafe(self.work(&mut inner, req)).catch_unwind();
@@ -879,7 +890,10 @@ impl Keyed {
                 let _ = tx.send(Ok(Err(e)));
                 self.release(&token, &lease).await;
             }
-            Ok(Ok(work)) => self.settle(work, &token, &lease, tx).await,
+            Ok(Ok(work)) => {
+                self.settle(work, request_headers.as_ref(), &token, &lease, tx)
+                    .await
+            }
         }
     }
 
@@ -887,6 +901,7 @@ impl Keyed {
     async fn settle<ResB, E>(
         &self,
         work: Work<ResB>,
+        request_headers: Option<&HeaderMap>,
         token: &Token,
         lease: &Lease,
         tx: tokio::sync::oneshot::Sender<Delivery<ResB, E>>,
@@ -992,9 +1007,13 @@ impl Keyed {
                     }
                     RecordDecision::Record => {
                         self.outcome("executed");
+                        let mut headers = cfg.recorded_headers(&parts.headers);
+                        if let Some(request) = request_headers {
+                            response::note_vary(&mut headers, request);
+                        }
                         let stored = StoredResponse {
                             status: parts.status,
-                            headers: cfg.recorded_headers(&parts.headers),
+                            headers,
                             body: data.clone(),
                             trailers: trailers.as_ref().map(|t| cfg.recorded_headers(t)),
                         };
