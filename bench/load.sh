@@ -6,7 +6,8 @@
 #   LOAD_SECONDS=10 LOAD_MODES="bare memory redis" bash bench/load.sh
 #
 # Env: LOAD_SECONDS (per run, default 10), LOAD_CONNECTIONS (64), LOAD_THREADS (2),
-# LOAD_MODES (bare memory redis postgres), REDIS_URL (redis://127.0.0.1:6379),
+# LOAD_MODES (bare noop memory redis postgres; noop is the shop behind a tower layer that does
+# nothing, GET only: what any layer on an axum Router costs), REDIS_URL (redis://127.0.0.1:6379),
 # POSTGRES_URL (postgres://postgres@127.0.0.1:5432/test), LOAD_OUT (a markdown file to
 # write the table to). wrk comes from Debian's `wrk` package (installed when missing).
 set -euo pipefail
@@ -15,7 +16,7 @@ cd "$(dirname "$0")/.."
 SECS=${LOAD_SECONDS:-10}
 CONNS=${LOAD_CONNECTIONS:-64}
 THREADS=${LOAD_THREADS:-2}
-MODES=${LOAD_MODES:-bare memory redis postgres}
+MODES=${LOAD_MODES:-bare noop memory redis postgres}
 REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379}
 POSTGRES_URL=${POSTGRES_URL:-postgres://postgres@127.0.0.1:5432/test}
 export LOAD_RUN="$(date +%s)-$$"
@@ -38,13 +39,13 @@ trap cleanup EXIT
 start_shop() { # $1 = mode
   local store
   case "$1" in
-    bare) store=memory ;;
+    bare|noop) store=memory ;;
     memory) store=memory ;;
     redis) store=$REDIS_URL ;;
     postgres) store=$POSTGRES_URL ;;
   esac
   SHOP_ADDR=$ADDR CARD_LATENCY_MS=0 IDEMPOTENCY_TTL_SECS=600 RUST_LOG=warn \
-    SHOP_IDEMPOTENCY=$([ "$1" = bare ] && echo off || echo on) IDEMPOTENCY_STORE=$store \
+    SHOP_IDEMPOTENCY=$(case "$1" in bare) echo off ;; noop) echo noop ;; *) echo on ;; esac) IDEMPOTENCY_STORE=$store \
     "$SHOP" >/tmp/load-shop-$1.log 2>&1 &
   pid=$!
   for _ in $(seq 100); do
@@ -94,7 +95,8 @@ for mode in $MODES; do
     postgres) psql -Atq "$POSTGRES_URL" -c 'select 1' >/dev/null 2>&1 || { echo "skipping postgres: $POSTGRES_URL does not answer" >&2; continue; } ;;
   esac
   start_shop "$mode"
-  for c in get unique replay; do
+  cases="get unique replay"; [ "$mode" = noop ] && cases=get
+  for c in $cases; do
     # Replays: one connection first completes the 256 keys the measured run cycles over.
     [ "$c" = replay ] && wrk -t1 -c1 -d2s -s bench/replay.lua "http://$ADDR/v1/payments" >/dev/null
     before=$(store_ops "$mode")

@@ -110,7 +110,8 @@ where
         let cfg = &self.config;
         // 1. Eligible? Anything else passes through: no buffering, no store call, no boxing.
         // gRPC handling is the configuration's choice, never the client's alone.
-        let grpc = is_grpc(req.headers()) && grpc_mode(cfg);
+        // gRPC calls are POSTs: other methods skip the header lookup.
+        let grpc = req.method() == Method::POST && is_grpc(req.headers()) && grpc_mode(cfg);
         let eligible = if grpc {
             req.method() == Method::POST && cfg.grpc_protected(req.uri().path())
         } else {

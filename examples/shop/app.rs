@@ -85,6 +85,16 @@ pub(crate) fn bare_app(config: ShopConfig) -> Router {
         .with_state(Arc::new(Shop::new(config.card_latency)))
 }
 
+/// The same API behind a layer that does nothing: what any tower layer on an axum `Router`
+/// costs per request (axum boxes and clones each layered route), the load script's second
+/// baseline.
+pub(crate) fn noop_layer_app(config: ShopConfig) -> Router {
+    routes()
+        .layer(tower::layer::util::Identity::new())
+        .layer(axum::middleware::from_fn(authenticate))
+        .with_state(Arc::new(Shop::new(config.card_latency)))
+}
+
 fn routes() -> Router<Arc<Shop>> {
     Router::new()
         .route("/v1/payments", post(create_payment))

@@ -6,8 +6,8 @@
 //! `CARD_LATENCY_MS`, `IDEMPOTENCY_LEASE_MS` and `IDEMPOTENCY_TTL_SECS` tune it.
 //! `ADMIN_TOKEN` mounts the admin routes (`/admin/idempotency/{scope}/{key}`) behind that
 //! bearer token; `--features metrics,axum` serves `GET /metrics` (Prometheus).
-//! `SHOP_IDEMPOTENCY=off` serves the same handlers without the layer (the load script's
-//! baseline, `bench/load.sh`).
+//! `SHOP_IDEMPOTENCY=off` serves the same handlers without the layer, and `noop` behind a
+//! layer that does nothing (the load script's baselines, `bench/load.sh`).
 
 mod admin;
 mod app;
@@ -27,10 +27,15 @@ async fn run() -> Result<(), common::BoxError> {
         retention,
     };
     let addr = std::env::var("SHOP_ADDR").unwrap_or_else(|_| "127.0.0.1:3000".into());
-    if std::env::var("SHOP_IDEMPOTENCY").is_ok_and(|v| v == "off") {
+    let baseline = match std::env::var("SHOP_IDEMPOTENCY").as_deref() {
+        Ok("off") => Some(app::bare_app(config.clone())),
+        Ok("noop") => Some(app::noop_layer_app(config.clone())),
+        _ => None,
+    };
+    if let Some(router) = baseline {
         let listener = tokio::net::TcpListener::bind(&addr).await?;
         tracing::info!("shop listening on http://{addr} WITHOUT the idempotency layer");
-        axum::serve(listener, app::bare_app(config)).await?;
+        axum::serve(listener, router).await?;
         return Ok(());
     }
     #[cfg(feature = "metrics")]
