@@ -450,7 +450,8 @@ pub(crate) fn get_headers(buf: &mut Bytes) -> Result<HeaderMap, DecodeError> {
     if count > MAX_RECORDED_FIELDS {
         return Err(DecodeError("too many header fields"));
     }
-    let mut headers = HeaderMap::try_with_capacity(count.min(64))
+    // Two to spare: a replay adds its marker and the TTL header without growing the map.
+    let mut headers = HeaderMap::try_with_capacity(count.min(64) + 2)
         .map_err(|_| DecodeError("too many header fields"))?;
     let mut bytes = 0usize;
     for _ in 0..count {

@@ -177,13 +177,10 @@ pub(crate) fn error_response<B: Body>(
 }
 
 /// The recorded answer, byte for byte, marked as replayed.
-pub(crate) fn replay<B: Body>(stored: &StoredResponse) -> Response<ResponseBody<B>> {
-    let mut res = Response::new(ResponseBody::full(
-        stored.body.clone(),
-        stored.trailers.clone(),
-    ));
+pub(crate) fn replay<B: Body>(stored: StoredResponse) -> Response<ResponseBody<B>> {
+    let mut res = Response::new(ResponseBody::full(stored.body, stored.trailers));
     *res.status_mut() = stored.status;
-    *res.headers_mut() = stored.headers.clone();
+    *res.headers_mut() = stored.headers;
     res.headers_mut().remove(VARY_DIGEST);
     res.headers_mut()
         .insert(REPLAYED, HeaderValue::from_static("true"));

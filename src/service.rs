@@ -779,7 +779,7 @@ impl Keyed {
                         return Step::Answer(self.flow.error(err));
                     }
                     self.outcome("replayed");
-                    let mut res = response::replay(&stored);
+                    let mut res = response::replay(stored);
                     self.publish_ttl(res.headers_mut());
                     return Step::Answer(res);
                 }
