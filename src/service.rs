@@ -206,10 +206,26 @@ async fn bounded<T>(
     until: Instant,
     call: impl Future<Output = Result<T, StoreError>>,
 ) -> Result<T, StoreError> {
-    match tokio::time::timeout_at(until, call).await {
+    match within(until, call).await {
         Ok(result) => result,
         Err(elapsed) => Err(StoreError::with_source(StoreErrorKind::Unknown, elapsed)),
     }
+}
+
+/// `tokio::time::timeout_at`, without building a timer for a future that is ready at its
+/// first poll (an in-memory store call, a body already received): a `Sleep` takes the runtime
+/// handle, a shared atomic, even when it never fires. A ready future wins either way, as it
+/// does in `timeout_at`, which also polls the future first.
+async fn within<F: Future>(
+    until: Instant,
+    future: F,
+) -> Result<F::Output, tokio::time::error::Elapsed> {
+    let mut future = std::pin::pin!(future);
+    if let Poll::Ready(out) = std::future::poll_fn(|cx| Poll::Ready(future.as_mut().poll(cx))).await
+    {
+        return Ok(out);
+    }
+    tokio::time::timeout_at(until, future).await
 }
 
 /// Displays an error with its whole source chain: "a: b: c".
@@ -294,7 +310,8 @@ impl Flow {
             return Ok(self.error(too_large()));
         }
         let read = buffer_body(body, limit, declared.unwrap_or(0) as usize);
-        let bytes = match tokio::time::timeout(self.cfg.request_body_timeout, read).await {
+        let body_deadline = deadline(Instant::now(), self.cfg.request_body_timeout);
+        let bytes = match within(body_deadline, read).await {
             Ok(Ok(bytes)) => bytes,
             Ok(Err(BodyError::TooLarge)) => {
                 self.labels.outcome("body_too_large");
