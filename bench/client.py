@@ -1,0 +1,29 @@
+"""Sends N requests of one case over one keep-alive connection: bench/callgrind.sh's client."""
+import http.client
+import sys
+import time
+
+port, n, case = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+for _ in range(1200):  # valgrind starts slowly
+    try:
+        c = http.client.HTTPConnection("127.0.0.1", port)
+        c.request("GET", "/v1/charges")
+        c.getresponse().read()
+        break
+    except OSError:
+        time.sleep(0.2)
+else:
+    sys.exit("the shop did not start")
+body = b'{"amount": 1999, "currency": "eur"}'
+run = time.time_ns()
+for i in range(n):
+    if case == "get":
+        c.request("GET", "/v1/charges")
+    else:
+        key = "u-%d-%d" % (run, i) if case == "unique" else "r-%d" % (i % 16)
+        c.request("POST", "/v1/payments", body,
+                  {"Idempotency-Key": key, "Content-Type": "application/json"})
+    r = c.getresponse()
+    r.read()
+    if r.status not in (200, 201):
+        sys.exit("unexpected status %d" % r.status)
