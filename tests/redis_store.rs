@@ -65,7 +65,7 @@ conformance_suite! {
 }
 
 #[tokio::test]
-async fn records_are_one_hash_per_key_with_a_ttl_under_the_prefix() {
+async fn records_are_one_string_per_key_with_a_ttl_under_the_prefix() {
     let Some(url) = common::backend_url("IDEMPOTENCY_TEST_REDIS_URL") else {
         return;
     };
@@ -89,25 +89,27 @@ async fn records_are_one_hash_per_key_with_a_ttl_under_the_prefix() {
         .query_async(&mut con)
         .await
         .unwrap();
-    assert_eq!(kind, "hash");
-    let fields: Vec<(String, Vec<u8>)> = redis::cmd("HGETALL")
+    assert_eq!(kind, "string");
+    let value: Vec<u8> = redis::cmd("GET")
         .arg(&key)
         .query_async(&mut con)
         .await
         .unwrap();
-    let field = |name: &str| {
-        fields
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, v)| v.clone())
-    };
-    let mut names: Vec<&str> = fields.iter().map(|(n, _)| n.as_str()).collect();
-    names.sort_unstable();
-    assert_eq!(names, ["f", "g", "l", "n", "v"]);
-    assert_eq!(field("v").unwrap(), b"1");
-    assert_eq!(field("f").unwrap(), fp(1).as_bytes());
-    assert_eq!(field("g").unwrap(), b"1");
-    assert_eq!(field("n").unwrap(), token.nonce());
+    // Format, state, fingerprint, nonce, generation, lease deadline (Redis ms): 82 bytes.
+    assert_eq!(value.len(), 82);
+    assert_eq!(&value[..2], b"2p");
+    assert_eq!(&value[2..34], fp(1).as_bytes());
+    assert_eq!(&value[34..50], token.nonce());
+    assert_eq!(&value[50..66], b"0000000000000001");
+    let deadline: u64 = std::str::from_utf8(&value[66..82])
+        .unwrap()
+        .parse()
+        .unwrap();
+    let (secs, _): (u64, u64) = redis::cmd("TIME").query_async(&mut con).await.unwrap();
+    assert!(
+        deadline > secs * 1000 && deadline <= (secs + 31) * 1000,
+        "the lease deadline is Redis's time plus the lease: {deadline}"
+    );
     let pttl: i64 = redis::cmd("PTTL")
         .arg(&key)
         .query_async(&mut con)
@@ -123,16 +125,21 @@ async fn records_are_one_hash_per_key_with_a_ttl_under_the_prefix() {
         .complete(&id, &token, &done, Duration::from_secs(60))
         .await
         .unwrap();
-    let c: Vec<u8> = redis::cmd("HGET")
+    let completed: Vec<u8> = redis::cmd("GET")
         .arg(&key)
-        .arg("c")
         .query_async(&mut con)
         .await
         .unwrap();
+    assert_eq!(&completed[..2], b"2c");
     assert_eq!(
-        c,
+        completed[2..66],
+        value[2..66],
+        "fingerprint and token are kept"
+    );
+    assert_eq!(
+        completed[82..],
         done.encode(),
-        "the completion is stored as raw encoded bytes"
+        "the completion is stored as raw encoded bytes after the header"
     );
     let pttl: i64 = redis::cmd("PTTL")
         .arg(&key)
@@ -410,22 +417,35 @@ async fn command_calls(con: &mut redis::aio::MultiplexedConnection) -> Vec<(Stri
 }
 
 /// Commands the store sent since the last `CONFIG RESETSTAT`, not counting the ones the
-/// scripts ran inside Redis (which `commandstats` counts too) nor this test's own.
+/// scripts ran inside Redis (which `commandstats` counts too) nor this test's own. The
+/// scripts never call `GET` (they read with `GETRANGE`), so every `GET` is the store's.
 async fn sent_by_store(con: &mut redis::aio::MultiplexedConnection) -> u64 {
     let calls = command_calls(con).await;
-    let of = |name: &str| calls.iter().find(|(n, _)| n == name).map_or(0, |(_, c)| *c);
-    // Every script reads its record with exactly one HMGET, so more HMGETs than script calls
-    // would be a top-level HMGET sent by the store: counted below.
-    let scripts = of("evalsha") + of("eval");
-    let extra_hmget = of("hmget").saturating_sub(scripts);
-    let inside_scripts = ["time", "hmget", "hset", "pttl", "pexpire", "del"];
+    let inside_scripts = [
+        "time", "getrange", "set", "setrange", "pttl", "pexpire", "del",
+    ];
     let ours = ["config|resetstat", "info"];
     calls
         .iter()
         .filter(|(n, _)| !inside_scripts.contains(&n.as_str()) && !ours.contains(&n.as_str()))
         .map(|(_, c)| c)
         .sum::<u64>()
-        + extra_hmget
+}
+
+/// Round trips since the last `CONFIG RESETSTAT`: the reads Redis made from its clients
+/// (a pipeline arrives in one), less the one that carried this `INFO`.
+async fn round_trips(con: &mut redis::aio::MultiplexedConnection) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("stats")
+        .query_async(con)
+        .await
+        .unwrap();
+    let reads: u64 = info
+        .lines()
+        .find_map(|l| l.strip_prefix("total_reads_processed:"))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("total_reads_processed");
+    reads - 1
 }
 
 async fn reset_stats(con: &mut redis::aio::MultiplexedConnection) {
@@ -436,6 +456,8 @@ async fn reset_stats(con: &mut redis::aio::MultiplexedConnection) {
         .unwrap();
 }
 
+/// A claim is its script and a `GET` of the record, pipelined: one round trip, and the
+/// answer never passes through Lua. A complete is one script call.
 #[tokio::test]
 async fn new_requests_cost_two_round_trips_replays_and_conflicts_one() {
     let Some(server) = RedisServer::start(&[]) else {
@@ -443,6 +465,10 @@ async fn new_requests_cost_two_round_trips_replays_and_conflicts_one() {
     };
     let store = RedisStore::connect(&server.url()).await.unwrap();
     let mut con = admin(&server).await;
+    let measure = |con: &mut redis::aio::MultiplexedConnection| {
+        let mut con = con.clone();
+        async move { (round_trips(&mut con).await, sent_by_store(&mut con).await) }
+    };
 
     reset_stats(&mut con).await;
     let id = unique_id("trips");
@@ -452,9 +478,9 @@ async fn new_requests_cost_two_round_trips_replays_and_conflicts_one() {
         .await
         .unwrap();
     assert_eq!(
-        sent_by_store(&mut con).await,
-        2,
-        "new request: claim + complete"
+        measure(&mut con).await,
+        (2, 3),
+        "new request: claim (EVALSHA + GET) and complete (EVALSHA)"
     );
 
     reset_stats(&mut con).await;
@@ -462,7 +488,11 @@ async fn new_requests_cost_two_round_trips_replays_and_conflicts_one() {
         ClaimOutcome::Existing(r) => assert!(matches!(r.state, RecordState::Completed(_))),
         other @ ClaimOutcome::Claimed(_) => panic!("{other:?}"),
     }
-    assert_eq!(sent_by_store(&mut con).await, 1, "replay: one claim");
+    assert_eq!(
+        measure(&mut con).await,
+        (1, 2),
+        "replay: one claim pipeline"
+    );
 
     let busy = unique_id("busy");
     claim_token(&store, &busy).await;
@@ -471,7 +501,16 @@ async fn new_requests_cost_two_round_trips_replays_and_conflicts_one() {
         ClaimOutcome::Existing(r) => assert!(matches!(r.state, RecordState::InProgress { .. })),
         other @ ClaimOutcome::Claimed(_) => panic!("{other:?}"),
     }
-    assert_eq!(sent_by_store(&mut con).await, 1, "conflict: one claim");
+    assert_eq!(
+        measure(&mut con).await,
+        (1, 2),
+        "conflict: one claim pipeline"
+    );
+
+    reset_stats(&mut con).await;
+    assert!(store.get(&id).await.unwrap().is_some());
+    // GET and TIME, pipelined; TIME is not counted above (scripts call it too).
+    assert_eq!(measure(&mut con).await, (1, 1), "get: one pipeline");
 }
 
 /// Pauses every client of `server` for `pause`; returns once the pause is in force.
