@@ -7,7 +7,7 @@ mod common;
 use tower_idempotency::{conformance, conformance_suite};
 mod redis_harness;
 
-use std::num::NonZeroU32;
+use std::num::{NonZeroU32, NonZeroUsize};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -16,7 +16,7 @@ use conformance::{fp, response, unique_id, DynStore};
 use redis_harness::{RedisServer, WithServer};
 use tower_idempotency::store::redis::{redis, RedisStore, ReplicationShortfall, SetupError};
 use tower_idempotency::store::{ClaimOutcome, IdempotencyStore, StoreErrorKind};
-use tower_idempotency::{RecordState, Token};
+use tower_idempotency::{RecordId, RecordState, ScopeId, Token};
 
 const LEASE: Duration = Duration::from_secs(30);
 const TTL: Duration = Duration::from_secs(600);
@@ -811,4 +811,199 @@ async fn setup_errors_say_why_and_come_within_the_timeout() {
         text.starts_with("could not set up the Redis idempotency store: ") && text.len() > 50,
         "{text}"
     );
+}
+
+/// A scope and record ids in it, unique to this run.
+fn scoped(label: &str) -> (ScopeId, impl Fn(&str) -> RecordId) {
+    let name = format!("{label}-{}-{:?}", std::process::id(), Instant::now());
+    let scope = ScopeId::new(Some(&name));
+    (scope, move |key: &str| RecordId::new(Some(&name), key))
+}
+
+async fn quota_store(records: Option<usize>, bytes: Option<usize>) -> Option<(RedisStore, String)> {
+    let url = common::backend_url("IDEMPOTENCY_TEST_REDIS_URL")?;
+    let prefix = format!(
+        "tidem-quota-{}-{}:",
+        std::process::id(),
+        unique_id("p").to_hex()
+    );
+    let mut builder = RedisStore::builder().with_key_prefix(&prefix);
+    if let Some(n) = records {
+        builder = builder.with_max_records_per_scope(NonZeroUsize::new(n).unwrap());
+    }
+    if let Some(n) = bytes {
+        builder = builder.with_max_bytes_per_scope(NonZeroUsize::new(n).unwrap());
+    }
+    Some((builder.connect(&url).await.unwrap(), url))
+}
+
+async fn claim_in(
+    store: &RedisStore,
+    scope: &ScopeId,
+    id: &RecordId,
+) -> Result<ClaimOutcome, tower_idempotency::store::StoreError> {
+    store.claim_in_scope(scope, id, &fp(1), LEASE, TTL).await
+}
+
+fn token_of(outcome: ClaimOutcome) -> Token {
+    match outcome {
+        ClaimOutcome::Claimed(c) => c.token,
+        other @ ClaimOutcome::Existing(_) => panic!("expected Claimed, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_full_scope_refuses_new_keys_while_its_records_replay_and_other_scopes_claim() {
+    let Some((store, _)) = quota_store(Some(2), None).await else {
+        return;
+    };
+    let (a, in_a) = scoped("tenant-a");
+    let (b, in_b) = scoped("tenant-b");
+    let first = token_of(claim_in(&store, &a, &in_a("k1")).await.unwrap());
+    let second = token_of(claim_in(&store, &a, &in_a("k2")).await.unwrap());
+    let err = claim_in(&store, &a, &in_a("k3")).await.unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::QuotaExceeded, "{err:?}");
+    assert!(
+        store.get(&in_a("k3")).await.unwrap().is_none(),
+        "a refused claim writes nothing"
+    );
+
+    // The scope's own records still answer: a retry in progress, then a replay.
+    match claim_in(&store, &a, &in_a("k1")).await.unwrap() {
+        ClaimOutcome::Existing(r) => assert!(matches!(r.state, RecordState::InProgress { .. })),
+        other @ ClaimOutcome::Claimed(_) => panic!("{other:?}"),
+    }
+    store
+        .complete(&in_a("k1"), &first, &response(201, "kept"), TTL)
+        .await
+        .unwrap();
+    match claim_in(&store, &a, &in_a("k1")).await.unwrap() {
+        ClaimOutcome::Existing(r) => {
+            assert_eq!(r.state, RecordState::Completed(response(201, "kept")))
+        }
+        other @ ClaimOutcome::Claimed(_) => panic!("{other:?}"),
+    }
+    // Another tenant is not affected.
+    token_of(claim_in(&store, &b, &in_b("k1")).await.unwrap());
+
+    // A release gives the scope its record back at once.
+    store.release(&in_a("k2"), &second).await.unwrap();
+    token_of(claim_in(&store, &a, &in_a("k3")).await.unwrap());
+    let err = claim_in(&store, &a, &in_a("k4")).await.unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::QuotaExceeded, "{err:?}");
+}
+
+#[tokio::test]
+async fn expired_records_leave_the_scope_by_redis_clock() {
+    let Some((store, _)) = quota_store(Some(1), None).await else {
+        return;
+    };
+    let (a, in_a) = scoped("expiring");
+    let short = Duration::from_millis(200);
+    let outcome = store
+        .claim_in_scope(&a, &in_a("k1"), &fp(1), short, short)
+        .await
+        .unwrap();
+    token_of(outcome);
+    let err = claim_in(&store, &a, &in_a("k2")).await.unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::QuotaExceeded, "{err:?}");
+    // Wait for Redis to expire the record (bounded), then the scope has room again.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while store.get(&in_a("k1")).await.unwrap().is_some() {
+        assert!(Instant::now() < deadline, "the record never expired");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    token_of(claim_in(&store, &a, &in_a("k2")).await.unwrap());
+}
+
+#[tokio::test]
+async fn the_byte_quota_counts_recorded_answers() {
+    // One record in progress is 146 bytes (header and scope); a 600-byte answer puts the
+    // scope over a 700-byte budget.
+    let Some((store, url)) = quota_store(None, Some(700)).await else {
+        return;
+    };
+    let (a, in_a) = scoped("bytes");
+    let (b, in_b) = scoped("bytes-other");
+    let token = token_of(claim_in(&store, &a, &in_a("k1")).await.unwrap());
+    let answer = response(201, vec![b'x'; 600]);
+    store
+        .complete(&in_a("k1"), &token, &answer, TTL)
+        .await
+        .unwrap();
+    let err = claim_in(&store, &a, &in_a("k2")).await.unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::QuotaExceeded, "{err:?}");
+    token_of(claim_in(&store, &b, &in_b("k1")).await.unwrap());
+
+    // The total is the stored size of the scope's record.
+    let mut con = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let prefix = store.key(&in_a("k1"));
+    let prefix = prefix.split('{').next().unwrap().to_owned();
+    let total: u64 = redis::cmd("HGET")
+        .arg(format!("{prefix}b:{}", a.to_hex()))
+        .arg("t")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let stored: u64 = redis::cmd("STRLEN")
+        .arg(store.key(&in_a("k1")))
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert_eq!(total, stored);
+    assert_eq!(stored, 146 + answer.encode().len() as u64);
+}
+
+#[tokio::test]
+async fn without_quotas_a_scoped_claim_touches_only_its_record() {
+    let Some((store, url)) = quota_store(None, None).await else {
+        return;
+    };
+    let (a, in_a) = scoped("free");
+    for i in 0..5 {
+        token_of(claim_in(&store, &a, &in_a(&format!("k{i}"))).await.unwrap());
+    }
+    let mut con = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let key = store.key(&in_a("k0"));
+    let prefix = key.split('{').next().unwrap();
+    let value: Vec<u8> = redis::cmd("GET")
+        .arg(&key)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert_eq!(&value[..2], b"2p", "an uncounted record");
+    let scope_keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}[sb]:*"))
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert!(scope_keys.is_empty(), "{scope_keys:?}");
+}
+
+#[tokio::test]
+async fn a_quota_holds_under_concurrent_claims_of_one_scope() {
+    let Some((store, _)) = quota_store(Some(5), None).await else {
+        return;
+    };
+    let (a, in_a) = scoped("racing");
+    let ids: Vec<RecordId> = (0..40).map(|i| in_a(&format!("k{i}"))).collect();
+    let claims = ids.iter().map(|id| claim_in(&store, &a, id));
+    let outcomes = futures_util::future::join_all(claims).await;
+    let claimed = outcomes
+        .iter()
+        .filter(|o| matches!(o, Ok(ClaimOutcome::Claimed(_))))
+        .count();
+    let refused = outcomes
+        .iter()
+        .filter(|o| matches!(o, Err(e) if e.kind() == StoreErrorKind::QuotaExceeded))
+        .count();
+    assert_eq!((claimed, refused), (5, 35), "{outcomes:?}");
 }
