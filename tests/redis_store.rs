@@ -422,7 +422,7 @@ async fn command_calls(con: &mut redis::aio::MultiplexedConnection) -> Vec<(Stri
 async fn sent_by_store(con: &mut redis::aio::MultiplexedConnection) -> u64 {
     let calls = command_calls(con).await;
     let inside_scripts = [
-        "time", "getrange", "set", "setrange", "pttl", "pexpire", "del",
+        "time", "getrange", "set", "setrange", "append", "pttl", "pexpire", "del",
     ];
     let ours = ["config|resetstat", "info"];
     calls
@@ -1006,4 +1006,67 @@ async fn a_quota_holds_under_concurrent_claims_of_one_scope() {
         .filter(|o| matches!(o, Err(e) if e.kind() == StoreErrorKind::QuotaExceeded))
         .count();
     assert_eq!((claimed, refused), (5, 35), "{outcomes:?}");
+}
+
+#[tokio::test]
+async fn a_counted_record_is_taken_over_renewed_and_completed_once_in_its_scope() {
+    let Some((store, url)) = quota_store(Some(2), Some(10_000)).await else {
+        return;
+    };
+    let (a, in_a) = scoped("takeover");
+    let id = in_a("k1");
+    let short = Duration::from_millis(100);
+    let first = token_of(
+        store
+            .claim_in_scope(&a, &id, &fp(1), short, TTL)
+            .await
+            .unwrap(),
+    );
+    // Wait out the lease by Redis's clock (bounded), then take over.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let second = loop {
+        match claim_in(&store, &a, &id).await.unwrap() {
+            ClaimOutcome::Claimed(c) => break c,
+            ClaimOutcome::Existing(_) => {
+                assert!(Instant::now() < deadline, "the lease never lapsed");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    assert!(second.takeover);
+    assert_eq!(second.token.generation(), first.generation() + 1);
+    assert_eq!(
+        store.extend(&id, &first, LEASE).await.unwrap_err().kind(),
+        StoreErrorKind::Fenced
+    );
+    store.extend(&id, &second.token, LEASE).await.unwrap();
+    store
+        .complete(&id, &second.token, &response(201, "once"), TTL)
+        .await
+        .unwrap();
+
+    let mut con = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let key = store.key(&id);
+    let prefix = key.split('{').next().unwrap();
+    let counted: u64 = redis::cmd("ZCARD")
+        .arg(format!("{prefix}s:{}", a.to_hex()))
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert_eq!(counted, 1, "one record, counted once through the takeover");
+    let value: Vec<u8> = redis::cmd("GET")
+        .arg(&key)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert_eq!(&value[..2], b"3c");
+    assert_eq!(
+        &value[82..146],
+        a.to_hex().as_bytes(),
+        "the record names its scope"
+    );
 }

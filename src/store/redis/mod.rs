@@ -105,6 +105,22 @@
 //! to resend: a claim is idempotent for its nonce and fingerprint, a `complete` that had landed
 //! answers `Ok` the second time, and so does a `release` that had deleted the record.
 //!
+//! # Per-scope quotas
+//!
+//! [`with_max_records_per_scope`](RedisStoreBuilder::with_max_records_per_scope) and
+//! [`with_max_bytes_per_scope`](RedisStoreBuilder::with_max_bytes_per_scope) cap what one
+//! scope (tenant) may hold, so one tenant cannot fill Redis for the others. The claim script
+//! counts and admits in the same call as the claim: the scope's records sit in a sorted set
+//! by expiry (`<prefix>s:<scope hex>`), their sizes in a hash (`<prefix>b:<scope hex>`), and
+//! expired ones are dropped by Redis's clock as claims come. A refused claim writes nothing
+//! and fails with [`StoreErrorKind::QuotaExceeded`](super::StoreErrorKind::QuotaExceeded);
+//! existing records still replay. A counted record carries its scope (format `3`), so
+//! `complete` adds the answer's bytes and `release` gives the record back. Without a quota
+//! none of this runs. Quotas need one primary: on a cluster the scope's records spread over
+//! every slot, and the record key cannot carry the scope as its hash tag because `complete`
+//! and `get` know only the record id, so [`connect_cluster`](RedisStoreBuilder::connect_cluster)
+//! refuses them ([`SetupError::QuotasOnCluster`]).
+//!
 //! # Requirements
 //!
 //! Redis 5 or later (the scripts read `TIME` before they write, which needs effects

