@@ -1070,3 +1070,26 @@ async fn a_counted_record_is_taken_over_renewed_and_completed_once_in_its_scope(
         "the record names its scope"
     );
 }
+
+#[tokio::test]
+async fn an_operator_delete_gives_the_scope_its_record_back() {
+    use tower_idempotency::store::{IdempotencyAdmin, Removal};
+    let Some((store, _)) = quota_store(Some(1), Some(10_000)).await else {
+        return;
+    };
+    let (a, in_a) = scoped("operator");
+    token_of(claim_in(&store, &a, &in_a("k1")).await.unwrap());
+    let err = claim_in(&store, &a, &in_a("k2")).await.unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::QuotaExceeded, "{err:?}");
+    assert_eq!(
+        store.force_release(&in_a("k1")).await.unwrap(),
+        Removal::Removed
+    );
+    let token = token_of(claim_in(&store, &a, &in_a("k2")).await.unwrap());
+    store
+        .complete(&in_a("k2"), &token, &response(200, "done"), TTL)
+        .await
+        .unwrap();
+    assert_eq!(store.delete(&in_a("k2")).await.unwrap(), Removal::Removed);
+    token_of(claim_in(&store, &a, &in_a("k3")).await.unwrap());
+}

@@ -69,9 +69,10 @@
 //!
 //! A full `noeviction` Redis refuses writes. A claim of a new key then fails with
 //! [`StoreErrorKind::Full`] and writes nothing (the layer answers 503 without running the inner
-//! service), while completed records still replay: the claim script reads before it writes, and
-//! Redis refuses only a script's first write, not the script. A takeover, `complete` and
-//! `extend` are writes and fail with `Full` too; `release` (a `DEL`) and `get` keep working.
+//! service), while completed records still replay: the claim script reads before it writes
+//! (Redis refuses only a script's first write, not the script), and the record comes from the
+//! `GET` pipelined after it. A takeover, `complete` and `extend` are writes and fail with `Full`
+//! too; `release` (a `DEL`) and `get` keep working.
 //!
 //! # Durability: AOF, replication and `WAIT`
 //!
@@ -96,10 +97,12 @@
 //! # Redis Cluster
 //!
 //! All of a record is one string, and its key carries the record id as a hash tag, so every
-//! script touches one slot and the store runs unchanged on a cluster. `EVALSHA` goes to the
-//! slot's primary; a `NOSCRIPT` answer (a fresh node, `SCRIPT FLUSH`) loads the script on every
-//! node and runs it again, for a single node and for a cluster alike. The scripts are also
-//! loaded when the store is built. `WAIT` goes to the primary of the record's slot.
+//! script touches one slot and the store runs unchanged on a cluster. Each call, with the
+//! commands pipelined after it, goes to the slot's primary; a `NOSCRIPT` answer (a fresh node
+//! after a failover, `SCRIPT FLUSH`) loads the script on that node and sends the call again
+//! (the refused call wrote nothing), for a single node and for a cluster alike. The scripts are
+//! also loaded on every node when the store is built. `WAIT` goes to the primary of the
+//! record's slot.
 //!
 //! The cluster client itself resends a command whose connection dropped. Every script is safe
 //! to resend: a claim is idempotent for its nonce and fingerprint, a `complete` that had landed
@@ -113,7 +116,7 @@
 //! counts and admits in the same call as the claim: the scope's records sit in a sorted set
 //! by expiry (`<prefix>s:<scope hex>`), their sizes in a hash (`<prefix>b:<scope hex>`), and
 //! expired ones are dropped by Redis's clock as claims come. A refused claim writes nothing
-//! and fails with [`StoreErrorKind::QuotaExceeded`](super::StoreErrorKind::QuotaExceeded);
+//! and fails with [`StoreErrorKind::QuotaExceeded`];
 //! existing records still replay. A counted record carries its scope (format `3`), so
 //! `complete` adds the answer's bytes and `release` gives the record back. Without a quota
 //! none of this runs. Quotas need one primary: on a cluster the scope's records spread over
@@ -125,7 +128,7 @@
 //!
 //! Redis 5 or later (the scripts read `TIME` before they write, which needs effects
 //! replication, the default since 5); tested with Redis 7.0, single node and cluster. TLS
-//! is not enabled in this crate's `redis` features.
+//! comes with the `redis-tls` feature.
 //!
 //! # Key layout and record format
 //!
@@ -138,6 +141,8 @@
 //! as [`StoreErrorKind::Corrupt`]: see the changelog.
 //!
 //! [`with_wait`]: RedisStoreBuilder::with_wait
+//! [`ConnectionManager`]: redis::aio::ConnectionManager
+//! [`ClusterConnection`]: redis::cluster_async::ClusterConnection
 
 mod connection;
 mod error;
@@ -160,7 +165,7 @@ pub use connection::RedisConnection;
 pub use error::ReplicationShortfall;
 pub use setup::{RedisStoreBuilder, SetupError};
 
-use super::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
+use super::{Claim, ClaimOutcome, IdempotencyStore, StoreError, StoreErrorKind};
 use crate::record::{Completion, Fingerprint, Record, RecordId, RecordState, ScopeId, Token};
 use error::{corrupt, fenced, shortfall, unknown, BadReply, Failure};
 use record::Found;
@@ -335,7 +340,7 @@ impl RedisStore {
             Ok((Value::Int(1), acked)) => shortfall(acked, wait.0),
             // Released or expired in between: the claim is not ours to report.
             Ok((Value::Int(0), _)) => Err(StoreError::with_source(
-                super::StoreErrorKind::Unavailable,
+                StoreErrorKind::Unavailable,
                 BadReply("the claim was gone before replicas confirmed it"),
             )),
             Ok(_) => Err(corrupt("extend script reply")),
@@ -355,12 +360,7 @@ impl RedisStore {
             Ok(Ok(Value::Int(n))) => u64::try_from(n).unwrap_or(0),
             Ok(Ok(_)) => return Err(corrupt("WAIT reply is not an integer")),
             Ok(Err(e)) => return Err(Failure::from_redis(e).into_error()),
-            Err(elapsed) => {
-                return Err(StoreError::with_source(
-                    super::StoreErrorKind::Unknown,
-                    elapsed,
-                ))
-            }
+            Err(elapsed) => return Err(StoreError::with_source(StoreErrorKind::Unknown, elapsed)),
         };
         shortfall(acknowledged, wanted)
     }
@@ -434,9 +434,7 @@ impl RedisStore {
                         Some(result) => return result,
                         None => lost = Some(e),
                     },
-                    Err(_) => {
-                        return Err(StoreError::with_source(super::StoreErrorKind::Unknown, e))
-                    }
+                    Err(_) => return Err(StoreError::with_source(StoreErrorKind::Unknown, e)),
                 },
             }
         }
@@ -465,7 +463,7 @@ fn parse_claim(replies: Vec<Value>, nonce: [u8; 16]) -> Result<Option<ClaimOutco
     let n = match script {
         Value::ServerError(e) => return Err(Failure::from_redis(e.into())),
         Value::SimpleString(s) if s == "QUOTA" => {
-            return Err(StoreError::new(super::StoreErrorKind::QuotaExceeded).into())
+            return Err(StoreError::new(StoreErrorKind::QuotaExceeded).into())
         }
         Value::Int(n) => n,
         Value::Array(items) => {
@@ -587,9 +585,7 @@ impl RedisStore {
                         lost = Some(e);
                         continue;
                     }
-                    Err(_) => {
-                        return Err(StoreError::with_source(super::StoreErrorKind::Unknown, e))
-                    }
+                    Err(_) => return Err(StoreError::with_source(StoreErrorKind::Unknown, e)),
                 },
             };
             if let ClaimOutcome::Claimed(claim) = &outcome {
@@ -677,13 +673,11 @@ impl IdempotencyStore for RedisStore {
                     Err(Failure::Uncertain(e)) => match self.read(&key, token.nonce()).await {
                         // It landed, but whether replicas have it is not known.
                         Ok(Some(f)) if f.held_by(token) && f.completed() => {
-                            return Err(StoreError::with_source(super::StoreErrorKind::Unknown, e))
+                            return Err(StoreError::with_source(StoreErrorKind::Unknown, e))
                         }
                         Ok(Some(f)) if f.held_by(token) => lost = Some(e),
                         Ok(_) => return Err(fenced()),
-                        Err(_) => {
-                            return Err(StoreError::with_source(super::StoreErrorKind::Unknown, e))
-                        }
+                        Err(_) => return Err(StoreError::with_source(StoreErrorKind::Unknown, e)),
                     },
                 }
             }
@@ -751,12 +745,7 @@ impl super::IdempotencyAdmin for RedisStore {
         let call = self.inner.conn.pipeline(&pipe, &key);
         let replies = match tokio::time::timeout(self.inner.timeout, call).await {
             Ok(r) => r.map_err(|e| Failure::from_redis(e).into_error())?,
-            Err(elapsed) => {
-                return Err(StoreError::with_source(
-                    super::StoreErrorKind::Unknown,
-                    elapsed,
-                ))
-            }
+            Err(elapsed) => return Err(StoreError::with_source(StoreErrorKind::Unknown, elapsed)),
         };
         let [value, time, pttl]: [Value; 3] = replies
             .try_into()
@@ -870,11 +859,11 @@ mod tests {
         let bad = |f: Failure| f.into_error().kind();
         assert_eq!(
             bad(claim(bulk(b"x"), Value::Nil).err().unwrap()),
-            super::super::StoreErrorKind::Corrupt
+            super::StoreErrorKind::Corrupt
         );
         assert_eq!(
             bad(parse_claim(vec![Value::Int(1)], nonce).err().unwrap()),
-            super::super::StoreErrorKind::Corrupt
+            super::StoreErrorKind::Corrupt
         );
     }
 

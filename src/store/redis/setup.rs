@@ -125,7 +125,7 @@ impl RedisStoreBuilder {
     /// acknowledgements fail the call with [`StoreErrorKind::Unavailable`](crate::store::StoreErrorKind::Unavailable) and a
     /// [`ReplicationShortfall`](super::ReplicationShortfall) source. A winning claim costs one more round trip; `WAIT` runs
     /// on a connection of its own, never holding up other calls (see
-    /// [durability](self#durability-aof-replication-and-wait)). Off by default.
+    /// [durability](super#durability-aof-replication-and-wait)). Off by default.
     #[must_use]
     pub fn with_wait(mut self, replicas: NonZeroU32, timeout: Duration) -> Self {
         self.wait = Some((replicas, timeout.max(Duration::from_millis(1))));
@@ -133,7 +133,7 @@ impl RedisStoreBuilder {
     }
 
     /// Whether to refuse a Redis whose `maxmemory-policy` can evict records (default `true`).
-    /// See [the eviction guard](self#the-eviction-guard); turn it off only when you know why.
+    /// See [the eviction guard](super#the-eviction-guard); turn it off only when you know why.
     #[must_use]
     pub fn with_eviction_guard(mut self, enabled: bool) -> Self {
         self.eviction_guard = enabled;
