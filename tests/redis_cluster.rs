@@ -185,3 +185,17 @@ async fn wait_goes_to_the_records_primary_on_its_own_connection() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quotas_are_refused_on_a_cluster_with_the_reason() {
+    let Some(cluster) = tokio::task::spawn_blocking(cluster).await.unwrap() else {
+        return;
+    };
+    let err = RedisStore::builder()
+        .with_max_records_per_scope(std::num::NonZeroUsize::new(10).unwrap())
+        .connect_cluster(cluster.urls())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, SetupError::QuotasOnCluster), "{err:?}");
+    assert!(err.to_string().contains("single primary"), "{err}");
+}

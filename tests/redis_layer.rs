@@ -202,3 +202,61 @@ async fn a_restarting_redis_fails_closed_then_serves_after_the_reconnect() {
     let replay = svc.oneshot(post("/x", Some("during"), "{}")).await.unwrap();
     assert_eq!(replay.headers()["idempotent-replayed"], "true");
 }
+
+/// A tenant over its Redis quota gets 429; its earlier request still replays, and another
+/// tenant is served.
+#[tokio::test]
+async fn a_tenant_over_its_redis_quota_gets_429_and_others_are_served() {
+    let Some(url) = common::backend_url("IDEMPOTENCY_TEST_REDIS_URL") else {
+        return;
+    };
+    let store = RedisStore::builder()
+        .with_key_prefix(unique("quota-layer").replace(['{', '}'], "") + ":")
+        .with_max_records_per_scope(std::num::NonZeroUsize::new(1).unwrap())
+        .connect(&url)
+        .await
+        .unwrap();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let inner = {
+        let calls = calls.clone();
+        service_fn(move |_req: Request<RequestBody<Full<Bytes>>>| {
+            let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
+            async move {
+                let mut res = Response::new(Full::new(Bytes::from(format!("pay_{n}"))));
+                *res.status_mut() = StatusCode::CREATED;
+                Ok::<_, Infallible>(res)
+            }
+        })
+    };
+    let svc = IdempotencyLayer::new(store)
+        .with_scope(|req| {
+            let t = req.headers.get("x-tenant")?;
+            Some(t.to_str().ok()?.to_owned())
+        })
+        .layer(inner);
+    let (alice, bob) = (unique("alice"), unique("bob"));
+    let send = |tenant: &str, key: &str| {
+        let mut req = post("/pay", Some(key), "{}");
+        req.headers_mut()
+            .insert("x-tenant", tenant.parse().unwrap());
+        svc.clone().oneshot(req)
+    };
+    let first = send(&alice, "k1").await.unwrap();
+    assert_eq!(first.status(), StatusCode::CREATED);
+    let over = send(&alice, "k2").await.unwrap();
+    assert_eq!(over.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        over.extensions()
+            .get::<IdempotencyError>()
+            .map(|e| e.kind()),
+        Some(ErrorKind::QuotaExceeded)
+    );
+    let again = send(&alice, "k1").await.unwrap();
+    assert_eq!(again.status(), StatusCode::CREATED);
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    assert_eq!(
+        send(&bob, "k1").await.unwrap().status(),
+        StatusCode::CREATED
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 2, "alice once, bob once");
+}

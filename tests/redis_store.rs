@@ -7,7 +7,7 @@ mod common;
 use tower_idempotency::{conformance, conformance_suite};
 mod redis_harness;
 
-use std::num::NonZeroU32;
+use std::num::{NonZeroU32, NonZeroUsize};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -16,7 +16,7 @@ use conformance::{fp, response, unique_id, DynStore};
 use redis_harness::{RedisServer, WithServer};
 use tower_idempotency::store::redis::{redis, RedisStore, ReplicationShortfall, SetupError};
 use tower_idempotency::store::{ClaimOutcome, IdempotencyStore, StoreErrorKind};
-use tower_idempotency::{RecordState, Token};
+use tower_idempotency::{RecordId, RecordState, ScopeId, Token};
 
 const LEASE: Duration = Duration::from_secs(30);
 const TTL: Duration = Duration::from_secs(600);
@@ -65,7 +65,7 @@ conformance_suite! {
 }
 
 #[tokio::test]
-async fn records_are_one_hash_per_key_with_a_ttl_under_the_prefix() {
+async fn records_are_one_string_per_key_with_a_ttl_under_the_prefix() {
     let Some(url) = common::backend_url("IDEMPOTENCY_TEST_REDIS_URL") else {
         return;
     };
@@ -89,25 +89,27 @@ async fn records_are_one_hash_per_key_with_a_ttl_under_the_prefix() {
         .query_async(&mut con)
         .await
         .unwrap();
-    assert_eq!(kind, "hash");
-    let fields: Vec<(String, Vec<u8>)> = redis::cmd("HGETALL")
+    assert_eq!(kind, "string");
+    let value: Vec<u8> = redis::cmd("GET")
         .arg(&key)
         .query_async(&mut con)
         .await
         .unwrap();
-    let field = |name: &str| {
-        fields
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, v)| v.clone())
-    };
-    let mut names: Vec<&str> = fields.iter().map(|(n, _)| n.as_str()).collect();
-    names.sort_unstable();
-    assert_eq!(names, ["f", "g", "l", "n", "v"]);
-    assert_eq!(field("v").unwrap(), b"1");
-    assert_eq!(field("f").unwrap(), fp(1).as_bytes());
-    assert_eq!(field("g").unwrap(), b"1");
-    assert_eq!(field("n").unwrap(), token.nonce());
+    // Format, state, fingerprint, nonce, generation, lease deadline (Redis ms): 82 bytes.
+    assert_eq!(value.len(), 82);
+    assert_eq!(&value[..2], b"2p");
+    assert_eq!(&value[2..34], fp(1).as_bytes());
+    assert_eq!(&value[34..50], token.nonce());
+    assert_eq!(&value[50..66], b"0000000000000001");
+    let deadline: u64 = std::str::from_utf8(&value[66..82])
+        .unwrap()
+        .parse()
+        .unwrap();
+    let (secs, _): (u64, u64) = redis::cmd("TIME").query_async(&mut con).await.unwrap();
+    assert!(
+        deadline > secs * 1000 && deadline <= (secs + 31) * 1000,
+        "the lease deadline is Redis's time plus the lease: {deadline}"
+    );
     let pttl: i64 = redis::cmd("PTTL")
         .arg(&key)
         .query_async(&mut con)
@@ -123,16 +125,21 @@ async fn records_are_one_hash_per_key_with_a_ttl_under_the_prefix() {
         .complete(&id, &token, &done, Duration::from_secs(60))
         .await
         .unwrap();
-    let c: Vec<u8> = redis::cmd("HGET")
+    let completed: Vec<u8> = redis::cmd("GET")
         .arg(&key)
-        .arg("c")
         .query_async(&mut con)
         .await
         .unwrap();
+    assert_eq!(&completed[..2], b"2c");
     assert_eq!(
-        c,
+        completed[2..66],
+        value[2..66],
+        "fingerprint and token are kept"
+    );
+    assert_eq!(
+        completed[82..],
         done.encode(),
-        "the completion is stored as raw encoded bytes"
+        "the completion is stored as raw encoded bytes after the header"
     );
     let pttl: i64 = redis::cmd("PTTL")
         .arg(&key)
@@ -410,22 +417,35 @@ async fn command_calls(con: &mut redis::aio::MultiplexedConnection) -> Vec<(Stri
 }
 
 /// Commands the store sent since the last `CONFIG RESETSTAT`, not counting the ones the
-/// scripts ran inside Redis (which `commandstats` counts too) nor this test's own.
+/// scripts ran inside Redis (which `commandstats` counts too) nor this test's own. The
+/// scripts never call `GET` (they read with `GETRANGE`), so every `GET` is the store's.
 async fn sent_by_store(con: &mut redis::aio::MultiplexedConnection) -> u64 {
     let calls = command_calls(con).await;
-    let of = |name: &str| calls.iter().find(|(n, _)| n == name).map_or(0, |(_, c)| *c);
-    // Every script reads its record with exactly one HMGET, so more HMGETs than script calls
-    // would be a top-level HMGET sent by the store: counted below.
-    let scripts = of("evalsha") + of("eval");
-    let extra_hmget = of("hmget").saturating_sub(scripts);
-    let inside_scripts = ["time", "hmget", "hset", "pttl", "pexpire", "del"];
+    let inside_scripts = [
+        "time", "getrange", "set", "setrange", "append", "pttl", "pexpire", "del",
+    ];
     let ours = ["config|resetstat", "info"];
     calls
         .iter()
         .filter(|(n, _)| !inside_scripts.contains(&n.as_str()) && !ours.contains(&n.as_str()))
         .map(|(_, c)| c)
         .sum::<u64>()
-        + extra_hmget
+}
+
+/// Round trips since the last `CONFIG RESETSTAT`: the reads Redis made from its clients
+/// (a pipeline arrives in one), less the one that carried this `INFO`.
+async fn round_trips(con: &mut redis::aio::MultiplexedConnection) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("stats")
+        .query_async(con)
+        .await
+        .unwrap();
+    let reads: u64 = info
+        .lines()
+        .find_map(|l| l.strip_prefix("total_reads_processed:"))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("total_reads_processed");
+    reads - 1
 }
 
 async fn reset_stats(con: &mut redis::aio::MultiplexedConnection) {
@@ -436,6 +456,8 @@ async fn reset_stats(con: &mut redis::aio::MultiplexedConnection) {
         .unwrap();
 }
 
+/// A claim is its script and a `GET` of the record, pipelined: one round trip, and the
+/// answer never passes through Lua. A complete is one script call.
 #[tokio::test]
 async fn new_requests_cost_two_round_trips_replays_and_conflicts_one() {
     let Some(server) = RedisServer::start(&[]) else {
@@ -443,6 +465,10 @@ async fn new_requests_cost_two_round_trips_replays_and_conflicts_one() {
     };
     let store = RedisStore::connect(&server.url()).await.unwrap();
     let mut con = admin(&server).await;
+    let measure = |con: &mut redis::aio::MultiplexedConnection| {
+        let mut con = con.clone();
+        async move { (round_trips(&mut con).await, sent_by_store(&mut con).await) }
+    };
 
     reset_stats(&mut con).await;
     let id = unique_id("trips");
@@ -452,9 +478,9 @@ async fn new_requests_cost_two_round_trips_replays_and_conflicts_one() {
         .await
         .unwrap();
     assert_eq!(
-        sent_by_store(&mut con).await,
-        2,
-        "new request: claim + complete"
+        measure(&mut con).await,
+        (2, 3),
+        "new request: claim (EVALSHA + GET) and complete (EVALSHA)"
     );
 
     reset_stats(&mut con).await;
@@ -462,7 +488,11 @@ async fn new_requests_cost_two_round_trips_replays_and_conflicts_one() {
         ClaimOutcome::Existing(r) => assert!(matches!(r.state, RecordState::Completed(_))),
         other @ ClaimOutcome::Claimed(_) => panic!("{other:?}"),
     }
-    assert_eq!(sent_by_store(&mut con).await, 1, "replay: one claim");
+    assert_eq!(
+        measure(&mut con).await,
+        (1, 2),
+        "replay: one claim pipeline"
+    );
 
     let busy = unique_id("busy");
     claim_token(&store, &busy).await;
@@ -471,7 +501,16 @@ async fn new_requests_cost_two_round_trips_replays_and_conflicts_one() {
         ClaimOutcome::Existing(r) => assert!(matches!(r.state, RecordState::InProgress { .. })),
         other @ ClaimOutcome::Claimed(_) => panic!("{other:?}"),
     }
-    assert_eq!(sent_by_store(&mut con).await, 1, "conflict: one claim");
+    assert_eq!(
+        measure(&mut con).await,
+        (1, 2),
+        "conflict: one claim pipeline"
+    );
+
+    reset_stats(&mut con).await;
+    assert!(store.get(&id).await.unwrap().is_some());
+    // GET and TIME, pipelined; TIME is not counted above (scripts call it too).
+    assert_eq!(measure(&mut con).await, (1, 1), "get: one pipeline");
 }
 
 /// Pauses every client of `server` for `pause`; returns once the pause is in force.
@@ -772,4 +811,285 @@ async fn setup_errors_say_why_and_come_within_the_timeout() {
         text.starts_with("could not set up the Redis idempotency store: ") && text.len() > 50,
         "{text}"
     );
+}
+
+/// A scope and record ids in it, unique to this run.
+fn scoped(label: &str) -> (ScopeId, impl Fn(&str) -> RecordId) {
+    let name = format!("{label}-{}-{:?}", std::process::id(), Instant::now());
+    let scope = ScopeId::new(Some(&name));
+    (scope, move |key: &str| RecordId::new(Some(&name), key))
+}
+
+async fn quota_store(records: Option<usize>, bytes: Option<usize>) -> Option<(RedisStore, String)> {
+    let url = common::backend_url("IDEMPOTENCY_TEST_REDIS_URL")?;
+    let prefix = format!(
+        "tidem-quota-{}-{}:",
+        std::process::id(),
+        unique_id("p").to_hex()
+    );
+    let mut builder = RedisStore::builder().with_key_prefix(&prefix);
+    if let Some(n) = records {
+        builder = builder.with_max_records_per_scope(NonZeroUsize::new(n).unwrap());
+    }
+    if let Some(n) = bytes {
+        builder = builder.with_max_bytes_per_scope(NonZeroUsize::new(n).unwrap());
+    }
+    Some((builder.connect(&url).await.unwrap(), url))
+}
+
+async fn claim_in(
+    store: &RedisStore,
+    scope: &ScopeId,
+    id: &RecordId,
+) -> Result<ClaimOutcome, tower_idempotency::store::StoreError> {
+    store.claim_in_scope(scope, id, &fp(1), LEASE, TTL).await
+}
+
+fn token_of(outcome: ClaimOutcome) -> Token {
+    match outcome {
+        ClaimOutcome::Claimed(c) => c.token,
+        other @ ClaimOutcome::Existing(_) => panic!("expected Claimed, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_full_scope_refuses_new_keys_while_its_records_replay_and_other_scopes_claim() {
+    let Some((store, _)) = quota_store(Some(2), None).await else {
+        return;
+    };
+    let (a, in_a) = scoped("tenant-a");
+    let (b, in_b) = scoped("tenant-b");
+    let first = token_of(claim_in(&store, &a, &in_a("k1")).await.unwrap());
+    let second = token_of(claim_in(&store, &a, &in_a("k2")).await.unwrap());
+    let err = claim_in(&store, &a, &in_a("k3")).await.unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::QuotaExceeded, "{err:?}");
+    assert!(
+        store.get(&in_a("k3")).await.unwrap().is_none(),
+        "a refused claim writes nothing"
+    );
+
+    // The scope's own records still answer: a retry in progress, then a replay.
+    match claim_in(&store, &a, &in_a("k1")).await.unwrap() {
+        ClaimOutcome::Existing(r) => assert!(matches!(r.state, RecordState::InProgress { .. })),
+        other @ ClaimOutcome::Claimed(_) => panic!("{other:?}"),
+    }
+    store
+        .complete(&in_a("k1"), &first, &response(201, "kept"), TTL)
+        .await
+        .unwrap();
+    match claim_in(&store, &a, &in_a("k1")).await.unwrap() {
+        ClaimOutcome::Existing(r) => {
+            assert_eq!(r.state, RecordState::Completed(response(201, "kept")))
+        }
+        other @ ClaimOutcome::Claimed(_) => panic!("{other:?}"),
+    }
+    // Another tenant is not affected.
+    token_of(claim_in(&store, &b, &in_b("k1")).await.unwrap());
+
+    // A release gives the scope its record back at once.
+    store.release(&in_a("k2"), &second).await.unwrap();
+    token_of(claim_in(&store, &a, &in_a("k3")).await.unwrap());
+    let err = claim_in(&store, &a, &in_a("k4")).await.unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::QuotaExceeded, "{err:?}");
+}
+
+#[tokio::test]
+async fn expired_records_leave_the_scope_by_redis_clock() {
+    let Some((store, _)) = quota_store(Some(1), None).await else {
+        return;
+    };
+    let (a, in_a) = scoped("expiring");
+    let short = Duration::from_millis(200);
+    let outcome = store
+        .claim_in_scope(&a, &in_a("k1"), &fp(1), short, short)
+        .await
+        .unwrap();
+    token_of(outcome);
+    let err = claim_in(&store, &a, &in_a("k2")).await.unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::QuotaExceeded, "{err:?}");
+    // Wait for Redis to expire the record (bounded), then the scope has room again.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while store.get(&in_a("k1")).await.unwrap().is_some() {
+        assert!(Instant::now() < deadline, "the record never expired");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    token_of(claim_in(&store, &a, &in_a("k2")).await.unwrap());
+}
+
+#[tokio::test]
+async fn the_byte_quota_counts_recorded_answers() {
+    // One record in progress is 146 bytes (header and scope); a 600-byte answer puts the
+    // scope over a 700-byte budget.
+    let Some((store, url)) = quota_store(None, Some(700)).await else {
+        return;
+    };
+    let (a, in_a) = scoped("bytes");
+    let (b, in_b) = scoped("bytes-other");
+    let token = token_of(claim_in(&store, &a, &in_a("k1")).await.unwrap());
+    let answer = response(201, vec![b'x'; 600]);
+    store
+        .complete(&in_a("k1"), &token, &answer, TTL)
+        .await
+        .unwrap();
+    let err = claim_in(&store, &a, &in_a("k2")).await.unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::QuotaExceeded, "{err:?}");
+    token_of(claim_in(&store, &b, &in_b("k1")).await.unwrap());
+
+    // The total is the stored size of the scope's record.
+    let mut con = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let prefix = store.key(&in_a("k1"));
+    let prefix = prefix.split('{').next().unwrap().to_owned();
+    let total: u64 = redis::cmd("HGET")
+        .arg(format!("{prefix}b:{}", a.to_hex()))
+        .arg("t")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let stored: u64 = redis::cmd("STRLEN")
+        .arg(store.key(&in_a("k1")))
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert_eq!(total, stored);
+    assert_eq!(stored, 146 + answer.encode().len() as u64);
+}
+
+#[tokio::test]
+async fn without_quotas_a_scoped_claim_touches_only_its_record() {
+    let Some((store, url)) = quota_store(None, None).await else {
+        return;
+    };
+    let (a, in_a) = scoped("free");
+    for i in 0..5 {
+        token_of(claim_in(&store, &a, &in_a(&format!("k{i}"))).await.unwrap());
+    }
+    let mut con = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let key = store.key(&in_a("k0"));
+    let prefix = key.split('{').next().unwrap();
+    let value: Vec<u8> = redis::cmd("GET")
+        .arg(&key)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert_eq!(&value[..2], b"2p", "an uncounted record");
+    let scope_keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}[sb]:*"))
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert!(scope_keys.is_empty(), "{scope_keys:?}");
+}
+
+#[tokio::test]
+async fn a_quota_holds_under_concurrent_claims_of_one_scope() {
+    let Some((store, _)) = quota_store(Some(5), None).await else {
+        return;
+    };
+    let (a, in_a) = scoped("racing");
+    let ids: Vec<RecordId> = (0..40).map(|i| in_a(&format!("k{i}"))).collect();
+    let claims = ids.iter().map(|id| claim_in(&store, &a, id));
+    let outcomes = futures_util::future::join_all(claims).await;
+    let claimed = outcomes
+        .iter()
+        .filter(|o| matches!(o, Ok(ClaimOutcome::Claimed(_))))
+        .count();
+    let refused = outcomes
+        .iter()
+        .filter(|o| matches!(o, Err(e) if e.kind() == StoreErrorKind::QuotaExceeded))
+        .count();
+    assert_eq!((claimed, refused), (5, 35), "{outcomes:?}");
+}
+
+#[tokio::test]
+async fn a_counted_record_is_taken_over_renewed_and_completed_once_in_its_scope() {
+    let Some((store, url)) = quota_store(Some(2), Some(10_000)).await else {
+        return;
+    };
+    let (a, in_a) = scoped("takeover");
+    let id = in_a("k1");
+    let short = Duration::from_millis(100);
+    let first = token_of(
+        store
+            .claim_in_scope(&a, &id, &fp(1), short, TTL)
+            .await
+            .unwrap(),
+    );
+    // Wait out the lease by Redis's clock (bounded), then take over.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let second = loop {
+        match claim_in(&store, &a, &id).await.unwrap() {
+            ClaimOutcome::Claimed(c) => break c,
+            ClaimOutcome::Existing(_) => {
+                assert!(Instant::now() < deadline, "the lease never lapsed");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    assert!(second.takeover);
+    assert_eq!(second.token.generation(), first.generation() + 1);
+    assert_eq!(
+        store.extend(&id, &first, LEASE).await.unwrap_err().kind(),
+        StoreErrorKind::Fenced
+    );
+    store.extend(&id, &second.token, LEASE).await.unwrap();
+    store
+        .complete(&id, &second.token, &response(201, "once"), TTL)
+        .await
+        .unwrap();
+
+    let mut con = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let key = store.key(&id);
+    let prefix = key.split('{').next().unwrap();
+    let counted: u64 = redis::cmd("ZCARD")
+        .arg(format!("{prefix}s:{}", a.to_hex()))
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert_eq!(counted, 1, "one record, counted once through the takeover");
+    let value: Vec<u8> = redis::cmd("GET")
+        .arg(&key)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert_eq!(&value[..2], b"3c");
+    assert_eq!(
+        &value[82..146],
+        a.to_hex().as_bytes(),
+        "the record names its scope"
+    );
+}
+
+#[tokio::test]
+async fn an_operator_delete_gives_the_scope_its_record_back() {
+    use tower_idempotency::store::{IdempotencyAdmin, Removal};
+    let Some((store, _)) = quota_store(Some(1), Some(10_000)).await else {
+        return;
+    };
+    let (a, in_a) = scoped("operator");
+    token_of(claim_in(&store, &a, &in_a("k1")).await.unwrap());
+    let err = claim_in(&store, &a, &in_a("k2")).await.unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::QuotaExceeded, "{err:?}");
+    assert_eq!(
+        store.force_release(&in_a("k1")).await.unwrap(),
+        Removal::Removed
+    );
+    let token = token_of(claim_in(&store, &a, &in_a("k2")).await.unwrap());
+    store
+        .complete(&in_a("k2"), &token, &response(200, "done"), TTL)
+        .await
+        .unwrap();
+    assert_eq!(store.delete(&in_a("k2")).await.unwrap(), Removal::Removed);
+    token_of(claim_in(&store, &a, &in_a("k3")).await.unwrap());
 }

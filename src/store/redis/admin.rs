@@ -1,0 +1,68 @@
+//! The operator API ([`IdempotencyAdmin`](crate::store::IdempotencyAdmin)) on Redis.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use redis::Value;
+
+use super::error::{corrupt, Failure};
+use super::{record, RedisStore};
+use crate::record::RecordId;
+use crate::store::{IdempotencyAdmin, RecordInfo, Removal, StoreError, StoreErrorKind};
+
+impl RedisStore {
+    /// Runs the remove script; `completed` picks the state that may be removed. Operator
+    /// calls skip `WAIT`: they are rare, and the operator reads the result back.
+    async fn remove(&self, id: &RecordId, completed: bool) -> Result<Removal, StoreError> {
+        let key = self.key(id);
+        let state: &[u8] = if completed { b"c" } else { b"p" };
+        let lua = &self.inner.scripts.remove;
+        let args: [&[u8]; 2] = [state, self.inner.prefix.as_bytes()];
+        match self
+            .eval(lua, &key, &args)
+            .await
+            .map_err(Failure::into_error)?
+        {
+            Value::Int(0) => Ok(Removal::Absent),
+            Value::Int(1) => Ok(Removal::Removed),
+            Value::Int(2) => Ok(Removal::Refused),
+            _ => Err(corrupt("remove reply is not 0, 1 or 2")),
+        }
+    }
+}
+
+#[async_trait]
+impl IdempotencyAdmin for RedisStore {
+    async fn inspect(&self, id: &RecordId) -> Result<Option<RecordInfo>, StoreError> {
+        let key = self.key(id);
+        let mut pipe = redis::pipe();
+        pipe.cmd("GET").arg(&key).cmd("TIME").cmd("PTTL").arg(&key);
+        let call = self.inner.conn.pipeline(&pipe, &key);
+        let replies = match tokio::time::timeout(self.inner.timeout, call).await {
+            Ok(r) => r.map_err(|e| Failure::from_redis(e).into_error())?,
+            Err(elapsed) => return Err(StoreError::with_source(StoreErrorKind::Unknown, elapsed)),
+        };
+        let [value, time, pttl]: [Value; 3] = replies
+            .try_into()
+            .map_err(|_| corrupt("inspect reply count"))?;
+        let Some(value) = record::value_bytes(value)? else {
+            return Ok(None);
+        };
+        let found = record::decode(value, record::time_ms(&time)?, &[])?;
+        // PTTL is -1 for a key without expiry, which the store never writes.
+        let pttl = match pttl {
+            Value::Int(n) => u64::try_from(n).unwrap_or(0),
+            _ => 0,
+        };
+        let expires_in = Duration::from_millis(pttl);
+        Ok(Some(RecordInfo::new(&found.record, expires_in)))
+    }
+
+    async fn force_release(&self, id: &RecordId) -> Result<Removal, StoreError> {
+        self.remove(id, false).await
+    }
+
+    async fn delete(&self, id: &RecordId) -> Result<Removal, StoreError> {
+        self.remove(id, true).await
+    }
+}

@@ -1,0 +1,20 @@
+-- Renews a lease. KEYS[1] record; ARGV[1] token (nonce, generation: record bytes 35-66),
+-- ARGV[2] lease ms, ARGV[3] key prefix (for a scope's keys). Replies 1, or 0 when fenced (not
+-- this token's, or completed): nothing written. The key lives at least one more lease.
+local key = KEYS[1]
+local h = redis.call('GETRANGE', key, 0, 145)
+if string.sub(h, 35, 66) ~= ARGV[1] or string.sub(h, 2, 2) ~= 'p' then return 0 end
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+local lease = tonumber(ARGV[2])
+redis.call('SETRANGE', key, 66, string.format('%016.0f', now + lease))
+if redis.call('PTTL', key) < lease then
+  redis.call('PEXPIRE', key, ARGV[2])
+  if string.sub(h, 1, 1) == '3' then
+    -- The scope counts the record as long as it lives.
+    local z = ARGV[3] .. 's:' .. string.sub(h, 83, 146)
+    redis.call('ZADD', z, string.format('%.0f', now + lease), string.sub(key, -65, -2))
+    if redis.call('PTTL', z) < lease then redis.call('PEXPIRE', z, ARGV[2]) end
+  end
+end
+return 1

@@ -1,0 +1,845 @@
+//! A Redis store: one string per record, one round trip per operation, Redis's own clock.
+//!
+//! ```no_run
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! use tower_idempotency::store::redis::RedisStore;
+//!
+//! // One node (or a primary behind a proxy):
+//! let store = RedisStore::connect("redis://127.0.0.1:6379/").await?;
+//! // Redis Cluster, from any subset of its nodes:
+//! let cluster = RedisStore::connect_cluster(["redis://redis-a:7000/", "redis://redis-b:7000/"]).await?;
+//! // With settings:
+//! let tuned = RedisStore::builder()
+//!     .with_key_prefix("shop:idem:")
+//!     .with_timeout(std::time::Duration::from_millis(500))
+//!     .connect("redis://127.0.0.1:6379/")
+//!     .await?;
+//! # drop((store, cluster, tuned));
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! The [`redis`] crate is re-exported, so a connection built by hand has matching versions:
+//! [`RedisStore::new`] takes a [`ConnectionManager`] or a cluster [`ClusterConnection`].
+//!
+//! # What it guarantees
+//!
+//! Every point of the [store contract](super) holds on one node and on a cluster:
+//!
+//! - **Atomic claims.** Each write is one Lua script, so it runs alone on the node that holds
+//!   the record. A claim creates the record or says what is there in the same call.
+//! - **One round trip per operation.** A new request costs 2 (claim, complete); a replay and a
+//!   conflict cost 1: the claim script is pipelined with a `GET` of the record, so the answer
+//!   comes back in the same round trip without passing through Lua (a script that returned a
+//!   1 MiB answer would hold Redis, and every other client, for milliseconds). `get` is 1
+//!   (`GET` and `TIME`, pipelined, no script). With [`with_wait`] a claim that wins costs one
+//!   more (a renewal and `WAIT`, pipelined); a complete sends its `WAIT` in the same pipeline.
+//! - **Fencing.** `complete`, `extend` and `release` check the token's generation **and** nonce;
+//!   a stale token writes nothing and fails with [`StoreErrorKind::Fenced`].
+//! - **Redis's clock.** Lease deadlines come from `TIME` inside the scripts (or pipelined
+//!   after a `GET`), and expiry from `PX` and `PEXPIRE`. The application's clock is never read, so clock skew between app servers does
+//!   not matter.
+//! - **Every key expires.** A record lives `max(ttl, lease)` from its claim, at least `lease`
+//!   from each takeover or renewal, and `ttl` from its completion.
+//! - **Unknown outcomes are read back.** The claim's nonce is made here, not in Redis, and sent
+//!   with the claim. When a reply times out or the connection drops mid-call, the store reads the
+//!   record back on the same connection (so Redis has run the lost call first, if it ever got
+//!   it): its own nonce means `Claimed`, another means `Existing`, no record means the call never
+//!   arrived and it is sent once more. A claim is idempotent for its nonce, so a late duplicate is
+//!   harmless. When nothing can be read back the answer is [`StoreErrorKind::Unknown`], never
+//!   `Claimed`: the record, if the claim did land, stays in progress until its lease lapses.
+//!
+//! # The eviction guard
+//!
+//! Redis deletes keys under memory pressure unless `maxmemory-policy` is `noeviction`. Every
+//! record has a TTL, so the `volatile-*` policies evict records too, and an evicted in-progress
+//! record lets a retry run the work twice. Construction therefore reads the policy, with
+//! `CONFIG GET maxmemory-policy` or, where `CONFIG` is disabled or renamed (managed Redis often
+//! does that), from `INFO memory`; on a cluster, from every node. Any other policy than
+//! `noeviction` is a [`SetupError::EvictionPolicy`] that names it and the fix:
+//!
+//! ```text
+//! CONFIG SET maxmemory-policy noeviction
+//! ```
+//!
+//! [`with_eviction_guard(false)`](RedisStoreBuilder::with_eviction_guard) skips the check, for a
+//! Redis used only for this with memory to spare.
+//!
+//! # When Redis is full
+//!
+//! A full `noeviction` Redis refuses writes. A claim of a new key then fails with
+//! [`StoreErrorKind::Full`] and writes nothing (the layer answers 503 without running the inner
+//! service), while completed records still replay: the claim script reads before it writes
+//! (Redis refuses only a script's first write, not the script), and the record comes from the
+//! `GET` pipelined after it. A takeover, `complete` and `extend` are writes and fail with `Full`
+//! too; `release` (a `DEL`) and `get` keep working.
+//!
+//! # Durability: AOF, replication and `WAIT`
+//!
+//! Redis acknowledges a write before it is on disk (unless `appendfsync always`) and before its
+//! replicas have it. A crash loses the last second of writes with `appendfsync everysec`, and a
+//! failover to a replica that had not caught up loses what the replica lacked. Either way an
+//! acknowledged claim can vanish and a retry run the work again, or a completed answer vanish
+//! and a retry run again. [`with_wait`] narrows the failover window: after a winning claim and
+//! after a complete, the store sends `WAIT numreplicas timeout` and fails with
+//! [`StoreErrorKind::Unavailable`] when fewer replicas acknowledged in time (a claim is then
+//! released, best effort). `WAIT` is not consensus: it shrinks the window, it does not close it.
+//!
+//! `WAIT` blocks the connection it is sent on, so the store never sends it on the shared
+//! connection every other call uses: each write that waits (a complete, or a renewal right
+//! after a winning claim, which replicates the claim before it) goes with its `WAIT` as one
+//! pipeline on a connection of its own, from a small pool, to the record's primary. A replay
+//! or a read never waits for someone else's replica. This needs the store to open its own
+//! connections ([`connect`](RedisStoreBuilder::connect),
+//! [`connect_cluster`](RedisStoreBuilder::connect_cluster)); a store
+//! [built](RedisStoreBuilder::build) on your connection sends `WAIT` on that connection.
+//!
+//! # Redis Cluster
+//!
+//! All of a record is one string, and its key carries the record id as a hash tag, so every
+//! script touches one slot and the store runs unchanged on a cluster. Each call, with the
+//! commands pipelined after it, goes to the slot's primary; a `NOSCRIPT` answer (a fresh node
+//! after a failover, `SCRIPT FLUSH`) loads the script on that node and sends the call again
+//! (the refused call wrote nothing), for a single node and for a cluster alike. The scripts are
+//! also loaded on every node when the store is built. `WAIT` goes to the primary of the
+//! record's slot.
+//!
+//! The cluster client itself resends a command whose connection dropped. Every script is safe
+//! to resend: a claim is idempotent for its nonce and fingerprint, a `complete` that had landed
+//! answers `Ok` the second time, and so does a `release` that had deleted the record.
+//!
+//! # Per-scope quotas
+//!
+//! [`with_max_records_per_scope`](RedisStoreBuilder::with_max_records_per_scope) and
+//! [`with_max_bytes_per_scope`](RedisStoreBuilder::with_max_bytes_per_scope) cap what one
+//! scope (tenant) may hold, so one tenant cannot fill Redis for the others. The claim script
+//! counts and admits in the same call as the claim: the scope's records sit in a sorted set
+//! by expiry (`<prefix>s:<scope hex>`), their sizes in a hash (`<prefix>b:<scope hex>`), and
+//! expired ones are dropped by Redis's clock as claims come. A refused claim writes nothing
+//! and fails with [`StoreErrorKind::QuotaExceeded`];
+//! existing records still replay. A counted record carries its scope (format `3`), so
+//! `complete` adds the answer's bytes and `release` gives the record back. Without a quota
+//! none of this runs. Quotas need one primary: on a cluster the scope's records spread over
+//! every slot, and the record key cannot carry the scope as its hash tag because `complete`
+//! and `get` know only the record id, so [`connect_cluster`](RedisStoreBuilder::connect_cluster)
+//! refuses them ([`SetupError::QuotasOnCluster`]).
+//!
+//! # Requirements
+//!
+//! Redis 5 or later (the scripts read `TIME` before they write, which needs effects
+//! replication, the default since 5); tested with Redis 7.0, single node and cluster. TLS
+//! comes with the `redis-tls` feature.
+//!
+//! # Key layout and record format
+//!
+//! One string per record, at `<prefix>{<id>}`: the prefix (default `idem:`) and the record id
+//! in lowercase hex, 64 characters, inside braces so it is the cluster hash tag. The prefix
+//! must not contain braces. The value is an 82-byte header (format, state, fingerprint, nonce,
+//! generation, lease deadline, at fixed offsets, so the scripts read and rewrite fields with
+//! `GETRANGE` and `SETRANGE` and never copy the answer) followed, once completed, by the
+//! answer as [`Completion::encode`] bytes. Records in the earlier format (one hash each) read
+//! as [`StoreErrorKind::Corrupt`]: see the changelog.
+//!
+//! [`with_wait`]: RedisStoreBuilder::with_wait
+//! [`ConnectionManager`]: redis::aio::ConnectionManager
+//! [`ClusterConnection`]: redis::cluster_async::ClusterConnection
+
+mod admin;
+mod connection;
+mod error;
+mod record;
+mod scripts;
+mod setup;
+
+use std::fmt;
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+pub use redis;
+
+use redis::{Pipeline, Value};
+
+pub use connection::RedisConnection;
+pub use error::ReplicationShortfall;
+pub use setup::{RedisStoreBuilder, SetupError};
+
+use super::{Claim, ClaimOutcome, IdempotencyStore, StoreError, StoreErrorKind};
+use crate::record::{Completion, Fingerprint, Record, RecordId, RecordState, ScopeId, Token};
+use error::{corrupt, fenced, shortfall, unknown, BadReply, Failure};
+use record::Found;
+use scripts::{Lua, Scripts};
+use setup::Dedicated;
+
+/// The default key prefix.
+pub const DEFAULT_KEY_PREFIX: &str = "idem:";
+
+/// The default time one Redis call may take before its outcome counts as unknown.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// The longest lease or TTL sent to Redis, in milliseconds (about 35,000 years). Lua numbers are
+/// doubles, so `now + this` must stay below 2^53 to be exact (now is about 2^41 ms), and it
+/// must fit the record's 16 digits.
+const MAX_MS: u64 = 1 << 50;
+
+/// An [`IdempotencyStore`] on Redis or Redis Cluster. Cloning shares the connection.
+///
+/// See the [module docs](self) for what it guarantees and how to run Redis for it.
+#[derive(Clone)]
+pub struct RedisStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    conn: RedisConnection,
+    /// Connections for writes followed by `WAIT`, when `WAIT` is on and the store made its
+    /// own connection.
+    dedicated: Option<Dedicated>,
+    prefix: String,
+    wait: Option<(NonZeroU32, Duration)>,
+    timeout: Duration,
+    scripts: Scripts,
+    quotas: Quotas,
+}
+
+/// Per-scope limits; 0 is none.
+#[derive(Debug, Clone, Copy, Default)]
+struct Quotas {
+    records: usize,
+    bytes: usize,
+}
+
+impl Quotas {
+    fn any(self) -> bool {
+        self.records > 0 || self.bytes > 0
+    }
+}
+
+impl fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("conn", &self.inner.conn)
+            .field("prefix", &self.inner.prefix)
+            .field("wait", &self.inner.wait)
+            .field("timeout", &self.inner.timeout)
+            .field("quotas", &self.inner.quotas)
+            .finish()
+    }
+}
+
+impl RedisStore {
+    /// A builder, for a key prefix, `WAIT`, the timeout or the eviction guard.
+    pub fn builder() -> RedisStoreBuilder {
+        RedisStoreBuilder::default()
+    }
+
+    /// A store on `conn` with the defaults. See [`RedisStoreBuilder::build`].
+    pub async fn new(conn: impl Into<RedisConnection>) -> Result<Self, SetupError> {
+        Self::builder().build(conn).await
+    }
+
+    /// Connects to one Redis node with the defaults. See [`RedisStoreBuilder::connect`].
+    pub async fn connect(url: &str) -> Result<Self, SetupError> {
+        Self::builder().connect(url).await
+    }
+
+    /// Connects to a Redis Cluster with the defaults. See
+    /// [`RedisStoreBuilder::connect_cluster`].
+    pub async fn connect_cluster<I, S>(nodes: I) -> Result<Self, SetupError>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        Self::builder().connect_cluster(nodes).await
+    }
+
+    /// The Redis key of `id`: `<prefix>{<hex id>}`.
+    pub fn key(&self, id: &RecordId) -> String {
+        record_key(&self.inner.prefix, id)
+    }
+
+    /// Sends `pipe`, whose first command runs `lua`, to `key`'s node in one round trip,
+    /// bounded by the timeout. A `NOSCRIPT` answer (a fresh node, `SCRIPT FLUSH`) loads the
+    /// script there and sends the pipeline once more; the refused call wrote nothing.
+    async fn send(&self, pipe: &Pipeline, lua: &Lua, key: &str) -> Result<Vec<Value>, Failure> {
+        let conn = &self.inner.conn;
+        let call = async {
+            let mut replies = conn
+                .pipeline(pipe, key)
+                .await
+                .map_err(Failure::from_redis)?;
+            if matches!(replies.first(), Some(Value::ServerError(e)) if e.code() == "NOSCRIPT") {
+                let mut load = redis::cmd("SCRIPT");
+                load.arg("LOAD").arg(lua.code);
+                conn.on_key(&load, key).await.map_err(Failure::from_redis)?;
+                replies = conn
+                    .pipeline(pipe, key)
+                    .await
+                    .map_err(Failure::from_redis)?;
+            }
+            Ok(replies)
+        };
+        match tokio::time::timeout(self.inner.timeout, call).await {
+            Ok(r) => r,
+            Err(elapsed) => Err(Failure::Uncertain(Box::new(elapsed))),
+        }
+    }
+
+    /// Runs one script call on `key`; its reply, or its error as a failure.
+    async fn eval(&self, lua: &Lua, key: &str, args: &[&[u8]]) -> Result<Value, Failure> {
+        let mut pipe = redis::pipe();
+        pipe.ignore_errors()
+            .add_command(lua.call(&[key], args.iter().copied()));
+        let replies = self.send(&pipe, lua, key).await?;
+        match <[Value; 1]>::try_from(replies) {
+            Ok([Value::ServerError(e)]) => Err(Failure::from_redis(e.into())),
+            Ok([v]) => Ok(v),
+            Err(_) => Err(Failure::Certain(corrupt("script reply count"))),
+        }
+    }
+
+    /// Reads the record (`GET` and `TIME`, pipelined: no script), telling whether `nonce`
+    /// holds it.
+    async fn read(&self, key: &str, nonce: &[u8]) -> Result<Option<Found>, Failure> {
+        let mut pipe = redis::pipe();
+        pipe.cmd("GET").arg(key).cmd("TIME");
+        let call = self.inner.conn.pipeline(&pipe, key);
+        let replies = match tokio::time::timeout(self.inner.timeout, call).await {
+            Ok(r) => r.map_err(Failure::from_redis)?,
+            Err(elapsed) => return Err(Failure::Uncertain(Box::new(elapsed))),
+        };
+        let [value, time]: [Value; 2] = replies
+            .try_into()
+            .map_err(|_| corrupt("read reply count"))?;
+        let Some(value) = record::value_bytes(value)? else {
+            return Ok(None);
+        };
+        Ok(Some(record::decode(value, record::time_ms(&time)?, nonce)?))
+    }
+
+    /// Makes sure replicas have a claim this store just won, when `WAIT` is on. On a dedicated
+    /// connection that is a renewal of the claim followed by `WAIT`: replication is in order,
+    /// so replicas that have the renewal have the claim before it.
+    async fn replicate_claim(
+        &self,
+        key: &str,
+        token: &Token,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
+        let (Some(dedicated), Some(wait)) = (&self.inner.dedicated, self.inner.wait) else {
+            return self.replicate(key).await;
+        };
+        let tok = record::token_bytes(token).ok_or_else(fenced)?;
+        let lease = millis(lease).to_string();
+        let args: [&[u8]; 3] = [&tok, lease.as_bytes(), self.inner.prefix.as_bytes()];
+        match self
+            .write_and_wait(dedicated, &self.inner.scripts.extend, key, &args, wait)
+            .await
+        {
+            Ok((Value::Int(1), acked)) => shortfall(acked, wait.0),
+            // Released or expired in between: the claim is not ours to report.
+            Ok((Value::Int(0), _)) => Err(StoreError::with_source(
+                StoreErrorKind::Unavailable,
+                BadReply("the claim was gone before replicas confirmed it"),
+            )),
+            Ok(_) => Err(corrupt("extend script reply")),
+            Err(f) => Err(f.into_error()),
+        }
+    }
+
+    /// Sends `WAIT` when configured; fewer replicas than asked for is an error.
+    async fn replicate(&self, key: &str) -> Result<(), StoreError> {
+        let Some((wanted, timeout)) = self.inner.wait else {
+            return Ok(());
+        };
+        let mut wait = redis::cmd("WAIT");
+        wait.arg(wanted.get()).arg(millis(timeout));
+        let call = self.inner.conn.on_key(&wait, key);
+        let acknowledged = match tokio::time::timeout(self.inner.timeout + timeout, call).await {
+            Ok(Ok(Value::Int(n))) => u64::try_from(n).unwrap_or(0),
+            Ok(Ok(_)) => return Err(corrupt("WAIT reply is not an integer")),
+            Ok(Err(e)) => return Err(Failure::from_redis(e).into_error()),
+            Err(elapsed) => return Err(StoreError::with_source(StoreErrorKind::Unknown, elapsed)),
+        };
+        shortfall(acknowledged, wanted)
+    }
+
+    /// Runs the script `lua` with `args` on `key`, then `WAIT`, as one pipeline on a dedicated
+    /// connection: the script's reply, and how many replicas acknowledged it.
+    async fn write_and_wait(
+        &self,
+        dedicated: &Dedicated,
+        lua: &Lua,
+        key: &str,
+        args: &[&[u8]],
+        (wanted, wait): (NonZeroU32, Duration),
+    ) -> Result<(Value, u64), Failure> {
+        let mut pipe = redis::pipe();
+        pipe.ignore_errors()
+            .add_command(lua.call(&[key], args.iter().copied()))
+            .cmd("WAIT")
+            .arg(wanted.get())
+            .arg(millis(wait));
+        let call = async {
+            let mut conn = dedicated.take().await.map_err(Failure::from_redis)?;
+            let mut replies = conn.send(&pipe, key).await.map_err(Failure::from_redis)?;
+            if matches!(replies.first(), Some(Value::ServerError(e)) if e.code() == "NOSCRIPT") {
+                // A fresh node, or SCRIPT FLUSH: load it here and send once more (the failed
+                // EVALSHA wrote nothing).
+                conn.load(lua.code).await.map_err(Failure::from_redis)?;
+                replies = conn.send(&pipe, key).await.map_err(Failure::from_redis)?;
+            }
+            dedicated.give(conn);
+            Ok::<_, Failure>(replies)
+        };
+        let replies = match tokio::time::timeout(self.inner.timeout + wait, call).await {
+            Ok(r) => r?,
+            Err(elapsed) => return Err(Failure::Uncertain(Box::new(elapsed))),
+        };
+        let [reply, acked]: [Value; 2] = replies
+            .try_into()
+            .map_err(|_| Failure::Certain(corrupt("pipeline reply count")))?;
+        let reply = match reply {
+            Value::ServerError(e) => return Err(Failure::from_redis(e.into())),
+            v => v,
+        };
+        let acked = match acked {
+            Value::Int(n) => u64::try_from(n).unwrap_or(0),
+            _ => return Err(Failure::Certain(corrupt("WAIT reply is not an integer"))),
+        };
+        Ok((reply, acked))
+    }
+
+    /// Runs a fenced script (complete, extend, release) that answers 1 (done) or 0 (fenced).
+    /// When the outcome is unknown, reads back: `settled` says from the record whether the
+    /// call took effect (`Some(result)`) or can be sent once more (`None`).
+    async fn fenced(
+        &self,
+        key: &str,
+        token: &Token,
+        lua: &Lua,
+        args: &[&[u8]],
+        settled: impl Fn(Option<&Found>) -> Option<Result<(), StoreError>>,
+    ) -> Result<(), StoreError> {
+        let mut lost = None;
+        for _ in 0..2 {
+            match self.eval(lua, key, args).await {
+                Ok(Value::Int(1)) => return Ok(()),
+                Ok(Value::Int(0)) => return Err(fenced()),
+                Ok(_) => return Err(corrupt("fenced script reply")),
+                Err(Failure::Certain(e)) => return Err(e),
+                Err(Failure::Uncertain(e)) => match self.read(key, token.nonce()).await {
+                    Ok(found) => match settled(found.as_ref()) {
+                        Some(result) => return result,
+                        None => lost = Some(e),
+                    },
+                    Err(_) => return Err(StoreError::with_source(StoreErrorKind::Unknown, e)),
+                },
+            }
+        }
+        Err(unknown(lost))
+    }
+}
+
+/// `<prefix>{<hex id>}`: the braces make the id the cluster hash tag, whatever the prefix.
+fn record_key(prefix: &str, id: &RecordId) -> String {
+    format!("{prefix}{{{}}}", id.to_hex())
+}
+
+/// Milliseconds for Redis, rounded up (a lease is never shorter than asked), 1 ms at least
+/// (`PEXPIRE 0` deletes) and [`MAX_MS`] at most.
+fn millis(d: Duration) -> u64 {
+    let ms = d.as_micros().div_ceil(1000);
+    u64::try_from(ms).unwrap_or(MAX_MS).clamp(1, MAX_MS)
+}
+
+/// Decodes the claim pipeline's replies: the script's, then the `GET`'s. `None` when the
+/// record changed between the two (deleted, or completed and claimed anew): claim again.
+fn parse_claim(replies: Vec<Value>, nonce: [u8; 16]) -> Result<Option<ClaimOutcome>, Failure> {
+    let [script, value]: [Value; 2] = replies
+        .try_into()
+        .map_err(|_| corrupt("claim reply count"))?;
+    let n = match script {
+        Value::ServerError(e) => return Err(Failure::from_redis(e.into())),
+        Value::SimpleString(s) if s == "QUOTA" => {
+            return Err(StoreError::new(StoreErrorKind::QuotaExceeded).into())
+        }
+        Value::Int(n) => n,
+        Value::Array(items) => {
+            // A takeover: the generation, and how long the old lease had lapsed.
+            let [g, lapsed]: [Value; 2] = items
+                .try_into()
+                .map_err(|_| corrupt("takeover reply length"))?;
+            let (Value::Int(g), Value::Int(lapsed)) = (g, lapsed) else {
+                return Err(corrupt("takeover reply").into());
+            };
+            let lapsed = Duration::from_millis(u64::try_from(lapsed).unwrap_or(0));
+            return Ok(Some(claimed(positive(g)?, nonce, Some(lapsed))));
+        }
+        _ => return Err(corrupt("claim reply").into()),
+    };
+    if n > 0 {
+        return Ok(Some(claimed(positive(n)?, nonce, None)));
+    }
+    let Some(value) = record::value_bytes(value)? else {
+        return Ok(None);
+    };
+    let mut found = record::decode(value, 0, &[])?;
+    match &mut found.record.state {
+        RecordState::Completed(_) => {}
+        // In progress: the lease left comes from the script, which read Redis's clock.
+        RecordState::InProgress { lease_remaining } if n < 0 => {
+            let left = n.checked_neg().map_or(0, |m| m - 1);
+            *lease_remaining = Duration::from_millis(u64::try_from(left).unwrap_or(0));
+        }
+        RecordState::InProgress { .. } => return Ok(None),
+    }
+    Ok(Some(ClaimOutcome::Existing(found.record)))
+}
+
+fn positive(n: i64) -> Result<u64, StoreError> {
+    u64::try_from(n)
+        .ok()
+        .filter(|&g| g > 0)
+        .ok_or_else(|| corrupt("claimed generation"))
+}
+
+/// A claim this store's nonce holds. Every fresh record starts at generation 1, so a higher
+/// one was a takeover.
+fn claimed(generation: u64, nonce: [u8; 16], lapsed_for: Option<Duration>) -> ClaimOutcome {
+    ClaimOutcome::Claimed(Claim {
+        token: Token::from_parts(generation, nonce),
+        takeover: generation > 1,
+        lapsed_for,
+    })
+}
+
+impl RedisStore {
+    /// The scope's keys: its records by expiry, and their sizes.
+    fn scope_keys(&self, scope_hex: &str) -> (String, String) {
+        let prefix = &self.inner.prefix;
+        (
+            format!("{prefix}s:{scope_hex}"),
+            format!("{prefix}b:{scope_hex}"),
+        )
+    }
+
+    /// Claims `id`, counted against `scope`'s quota when one is given.
+    async fn claim_as(
+        &self,
+        scope: Option<&ScopeId>,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<ClaimOutcome, StoreError> {
+        let key = self.key(id);
+        // The nonce is made here, so a claim whose reply is lost can be recognised.
+        let nonce = *Token::generate(0)?.nonce();
+        let format = if scope.is_some() {
+            record::SCOPED
+        } else {
+            record::PLAIN
+        };
+        let new = record::new_record(format, fingerprint, &nonce);
+        let lease_ms = millis(lease).to_string();
+        let keep_ms = millis(ttl.max(lease)).to_string();
+        let lua = &self.inner.scripts.claim;
+        let mut args: Vec<&[u8]> = vec![&new, lease_ms.as_bytes(), keep_ms.as_bytes()];
+        let (hex, records, bytes);
+        let call = match scope {
+            None => lua.call(&[&key], args),
+            Some(scope) => {
+                hex = scope.to_hex();
+                records = self.inner.quotas.records.to_string();
+                bytes = self.inner.quotas.bytes.to_string();
+                let (z, b) = self.scope_keys(&hex);
+                args.extend([hex.as_bytes(), records.as_bytes(), bytes.as_bytes()]);
+                lua.call(&[&key, &z, &b], args)
+            }
+        };
+        let mut pipe = redis::pipe();
+        pipe.ignore_errors().add_command(call).cmd("GET").arg(&key);
+        let mut lost = None;
+        for _ in 0..3 {
+            let sent = self.send(&pipe, lua, &key).await;
+            let outcome = match sent.and_then(|replies| parse_claim(replies, nonce)) {
+                Ok(Some(outcome)) => outcome,
+                // The record changed between the script and the GET: ask again.
+                Ok(None) => continue,
+                Err(Failure::Certain(e)) => return Err(e),
+                Err(Failure::Uncertain(e)) => match self.read(&key, &nonce).await {
+                    Ok(Some(found))
+                        if found.mine
+                            && !found.completed()
+                            && found.record.fingerprint == *fingerprint =>
+                    {
+                        // Read back after a lost reply: the lapse is no longer known.
+                        claimed(found.record.generation, nonce, None)
+                    }
+                    Ok(Some(found)) => ClaimOutcome::Existing(found.record),
+                    // The claim never arrived (the read went after it on the same
+                    // connection): send it again. It is idempotent for this nonce.
+                    Ok(None) => {
+                        lost = Some(e);
+                        continue;
+                    }
+                    Err(_) => return Err(StoreError::with_source(StoreErrorKind::Unknown, e)),
+                },
+            };
+            if let ClaimOutcome::Claimed(claim) = &outcome {
+                if let Err(e) = self.replicate_claim(&key, &claim.token, lease).await {
+                    // Not durable: give the key back so a retry need not wait out the lease.
+                    let _ = self.release(id, &claim.token).await;
+                    return Err(e);
+                }
+            }
+            return Ok(outcome);
+        }
+        Err(unknown(lost))
+    }
+}
+
+#[async_trait]
+impl IdempotencyStore for RedisStore {
+    fn name(&self) -> &'static str {
+        "redis"
+    }
+
+    async fn claim(
+        &self,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<ClaimOutcome, StoreError> {
+        self.claim_as(None, id, fingerprint, lease, ttl).await
+    }
+
+    async fn claim_in_scope(
+        &self,
+        scope: &ScopeId,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<ClaimOutcome, StoreError> {
+        // Without quotas a scope changes nothing here: the record id already includes it.
+        let scope = self.inner.quotas.any().then_some(scope);
+        self.claim_as(scope, id, fingerprint, lease, ttl).await
+    }
+
+    async fn extend(
+        &self,
+        id: &RecordId,
+        token: &Token,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
+        let key = self.key(id);
+        let tok = record::token_bytes(token).ok_or_else(fenced)?;
+        let lease = millis(lease).to_string();
+        let lua = &self.inner.scripts.extend;
+        // Still ours and in progress: send again (renewing twice is harmless).
+        let args: [&[u8]; 3] = [&tok, lease.as_bytes(), self.inner.prefix.as_bytes()];
+        self.fenced(&key, token, lua, &args, |found| match found {
+            Some(f) if f.held_by(token) && !f.completed() => None,
+            _ => Some(Err(fenced())),
+        })
+        .await
+    }
+
+    async fn complete(
+        &self,
+        id: &RecordId,
+        token: &Token,
+        completion: &Completion,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let key = self.key(id);
+        let tok = record::token_bytes(token).ok_or_else(fenced)?;
+        let encoded = completion.encode();
+        let ttl = millis(ttl).to_string();
+        let args: [&[u8]; 4] = [&tok, &encoded, ttl.as_bytes(), self.inner.prefix.as_bytes()];
+        let lua = &self.inner.scripts.complete;
+        if let (Some(dedicated), Some(wait)) = (&self.inner.dedicated, self.inner.wait) {
+            let mut lost = None;
+            for _ in 0..2 {
+                match self.write_and_wait(dedicated, lua, &key, &args, wait).await {
+                    Ok((Value::Int(1), acked)) => return shortfall(acked, wait.0),
+                    Ok((Value::Int(0), _)) => return Err(fenced()),
+                    Ok(_) => return Err(corrupt("complete script reply")),
+                    Err(Failure::Certain(e)) => return Err(e),
+                    Err(Failure::Uncertain(e)) => match self.read(&key, token.nonce()).await {
+                        // It landed, but whether replicas have it is not known.
+                        Ok(Some(f)) if f.held_by(token) && f.completed() => {
+                            return Err(StoreError::with_source(StoreErrorKind::Unknown, e))
+                        }
+                        Ok(Some(f)) if f.held_by(token) => lost = Some(e),
+                        Ok(_) => return Err(fenced()),
+                        Err(_) => return Err(StoreError::with_source(StoreErrorKind::Unknown, e)),
+                    },
+                }
+            }
+            return Err(unknown(lost));
+        }
+        self.fenced(&key, token, lua, &args, |found| match found {
+            Some(f) if f.held_by(token) && f.completed() => Some(Ok(())),
+            Some(f) if f.held_by(token) => None,
+            _ => Some(Err(fenced())),
+        })
+        .await?;
+        self.replicate(&key).await
+    }
+
+    async fn release(&self, id: &RecordId, token: &Token) -> Result<(), StoreError> {
+        let key = self.key(id);
+        let tok = record::token_bytes(token).ok_or_else(fenced)?;
+        let lua = &self.inner.scripts.release;
+        let args: [&[u8]; 2] = [&tok, self.inner.prefix.as_bytes()];
+        self.fenced(&key, token, lua, &args, |found| match found {
+            // Gone: released, by this call or by expiry; the key is free either way.
+            None => Some(Ok(())),
+            Some(f) if f.held_by(token) && !f.completed() => None,
+            Some(_) => Some(Err(fenced())),
+        })
+        .await
+    }
+
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        let key = self.key(id);
+        match self.read(&key, &[]).await {
+            Ok(found) => Ok(found.map(|f| f.record)),
+            Err(e) => Err(e.into_error()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bulk(b: &[u8]) -> Value {
+        Value::BulkString(b.to_vec())
+    }
+
+    fn stored(state: u8, tail: &[u8]) -> Value {
+        let mut v = record::new_record(record::PLAIN, &Fingerprint::from_bytes([7; 32]), &[1; 16]);
+        v[1] = state;
+        v.extend_from_slice(b"0000000000009000");
+        v.extend_from_slice(tail);
+        bulk(&v)
+    }
+
+    #[test]
+    fn millis_round_up_and_stay_in_range() {
+        assert_eq!(millis(Duration::ZERO), 1);
+        assert_eq!(millis(Duration::from_micros(1)), 1);
+        assert_eq!(millis(Duration::from_micros(1001)), 2);
+        assert_eq!(millis(Duration::from_secs(30)), 30_000);
+        assert_eq!(millis(Duration::MAX), MAX_MS);
+        assert_eq!(
+            format!("{:016}", MAX_MS * 2).len(),
+            16,
+            "fits the record's digits"
+        );
+    }
+
+    #[test]
+    fn claim_replies_decode_to_outcomes() {
+        let nonce = [9; 16];
+        let claim = |script: Value, value: Value| parse_claim(vec![script, value], nonce);
+        match claim(Value::Int(1), Value::Nil).ok().flatten().unwrap() {
+            ClaimOutcome::Claimed(c) => {
+                assert_eq!(c.token, Token::from_parts(1, nonce));
+                assert!(!c.takeover);
+            }
+            other @ ClaimOutcome::Existing(_) => panic!("{other:?}"),
+        }
+        let takeover = Value::Array(vec![Value::Int(4), Value::Int(250)]);
+        match claim(takeover, Value::Nil).ok().flatten().unwrap() {
+            ClaimOutcome::Claimed(c) => {
+                assert!(c.takeover);
+                assert_eq!(c.lapsed_for, Some(Duration::from_millis(250)));
+            }
+            other @ ClaimOutcome::Existing(_) => panic!("{other:?}"),
+        }
+        // In progress with 1,500 ms left, by the script's clock.
+        match claim(Value::Int(-1501), stored(b'p', b""))
+            .ok()
+            .flatten()
+            .unwrap()
+        {
+            ClaimOutcome::Existing(r) => {
+                assert_eq!(r.fingerprint, Fingerprint::from_bytes([7; 32]));
+                assert_eq!(r.generation, 1);
+                assert_eq!(
+                    r.state,
+                    RecordState::InProgress {
+                        lease_remaining: Duration::from_millis(1500)
+                    }
+                );
+            }
+            other @ ClaimOutcome::Claimed(_) => panic!("{other:?}"),
+        }
+        let done = Completion::Tombstone {
+            status: http::StatusCode::CREATED,
+        };
+        match claim(Value::Int(0), stored(b'c', &done.encode()))
+            .ok()
+            .flatten()
+            .unwrap()
+        {
+            ClaimOutcome::Existing(r) => assert_eq!(r.state, RecordState::Completed(done)),
+            other @ ClaimOutcome::Claimed(_) => panic!("{other:?}"),
+        }
+        // Changed between the script and the GET: claim again.
+        assert!(claim(Value::Int(-5), Value::Nil).ok().unwrap().is_none());
+        assert!(claim(Value::Int(0), stored(b'p', b""))
+            .ok()
+            .unwrap()
+            .is_none());
+        let bad = |f: Failure| f.into_error().kind();
+        assert_eq!(
+            bad(claim(bulk(b"x"), Value::Nil).err().unwrap()),
+            super::StoreErrorKind::Corrupt
+        );
+        assert_eq!(
+            bad(parse_claim(vec![Value::Int(1)], nonce).err().unwrap()),
+            super::StoreErrorKind::Corrupt
+        );
+    }
+
+    #[test]
+    fn keys_carry_the_record_id_as_hash_tag() {
+        let id = RecordId::new(Some("t"), "k");
+        let key = record_key(DEFAULT_KEY_PREFIX, &id);
+        assert_eq!(key, format!("idem:{{{}}}", id.to_hex()));
+        // Redis Cluster hashes what is between the first `{` and the next `}`.
+        let tag = key
+            .split_once('{')
+            .and_then(|(_, rest)| rest.split_once('}'));
+        assert_eq!(tag.map(|(t, _)| t.to_owned()), Some(id.to_hex()));
+        assert_ne!(record_key("a:", &id), record_key("b:", &id));
+    }
+
+    #[tokio::test]
+    async fn equal_nonces_with_different_fingerprints_claim_once() {
+        let Some(url) = crate::store::test_backend_url("IDEMPOTENCY_TEST_REDIS_URL") else {
+            return;
+        };
+        let prefix = format!(
+            "tidem-unit-{}-{:?}:",
+            std::process::id(),
+            std::time::Instant::now()
+        );
+        let prefix = prefix.replace(['{', '}'], "");
+        let store = RedisStore::builder()
+            .with_key_prefix(prefix)
+            .connect(&url)
+            .await
+            .unwrap();
+        crate::store::equal_nonces_with_different_fingerprints_claim_once(&store).await;
+    }
+}

@@ -1,0 +1,242 @@
+//! The record format: one Redis string per record, a fixed header then the answer.
+//!
+//! | bytes | holds |
+//! |---|---|
+//! | 0 | format: `2`, or `3` for a record counted against a scope's quota |
+//! | 1 | state: `p` in progress, `c` completed |
+//! | 2..34 | fingerprint, 32 raw bytes |
+//! | 34..50 | nonce of the current claim, 16 raw bytes |
+//! | 50..66 | generation, 16 decimal digits |
+//! | 66..82 | lease deadline, ms since the Unix epoch by Redis `TIME`, 16 decimal digits |
+//! | 82..146 | format `3` only: the scope id, 64 lowercase hex digits |
+//! | rest | once completed: the answer, [`Completion::encode`] bytes |
+//!
+//! Fixed offsets let the scripts read and rewrite fields with `GETRANGE` and `SETRANGE`,
+//! never touching the answer; the nonce and generation sit side by side (bytes 34..66), so a
+//! token is one comparison. Digits rather than binary keep the fields readable in
+//! `redis-cli` and exact in Lua's doubles.
+
+use bytes::Bytes;
+use redis::Value;
+
+use super::error::corrupt;
+use crate::record::{Completion, Fingerprint, Record, RecordState, Token};
+use crate::store::StoreError;
+
+/// Format byte of a record outside any quota.
+pub(super) const PLAIN: u8 = b'2';
+/// Format byte of a record counted against its scope's quota.
+pub(super) const SCOPED: u8 = b'3';
+/// Header length of a [`PLAIN`] record.
+pub(super) const HEADER: usize = 82;
+/// Header length of a [`SCOPED`] record.
+pub(super) const SCOPED_HEADER: usize = HEADER + 64;
+
+/// The first 66 bytes of a new record (format, state, fingerprint, nonce, generation 1); the
+/// claim script appends the lease deadline from Redis's clock.
+pub(super) fn new_record(format: u8, fingerprint: &Fingerprint, nonce: &[u8; 16]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(66);
+    v.push(format);
+    v.push(b'p');
+    v.extend_from_slice(fingerprint.as_bytes());
+    v.extend_from_slice(nonce);
+    v.extend_from_slice(b"0000000000000001");
+    v
+}
+
+/// A token as the record holds it: nonce then generation (bytes 34..66). `None` for a
+/// generation no record can hold (more than 16 digits): such a token is fenced everywhere.
+pub(super) fn token_bytes(token: &Token) -> Option<Vec<u8>> {
+    let generation = format!("{:016}", token.generation());
+    if generation.len() != 16 {
+        return None;
+    }
+    let mut v = Vec::with_capacity(32);
+    v.extend_from_slice(token.nonce());
+    v.extend_from_slice(generation.as_bytes());
+    Some(v)
+}
+
+/// A record as read, and whether the nonce asked about holds it.
+#[derive(Debug)]
+pub(super) struct Found {
+    pub(super) record: Record,
+    /// The nonce asked about holds the record.
+    pub(super) mine: bool,
+}
+
+impl Found {
+    /// Held by `token`: the generation matches and the nonce is `token`'s.
+    pub(super) fn held_by(&self, token: &Token) -> bool {
+        self.mine && self.record.generation == token.generation()
+    }
+
+    pub(super) fn completed(&self) -> bool {
+        matches!(self.record.state, RecordState::Completed(_))
+    }
+}
+
+fn digits(b: &[u8]) -> Option<u64> {
+    if b.is_empty() || !b.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    std::str::from_utf8(b).ok()?.parse().ok()
+}
+
+/// Decodes a stored record. `now_ms` (Redis `TIME`) turns the lease deadline into the lease
+/// left; `nonce` is the one to recognise (empty for none).
+pub(super) fn decode(value: Bytes, now_ms: u64, nonce: &[u8]) -> Result<Found, StoreError> {
+    let header = match value.first() {
+        Some(&PLAIN) => HEADER,
+        Some(&SCOPED) => SCOPED_HEADER,
+        _ => return Err(corrupt("unknown record format")),
+    };
+    if value.len() < header {
+        return Err(corrupt("record shorter than its header"));
+    }
+    let fingerprint: [u8; 32] = value[2..34].try_into().expect("32 bytes");
+    let generation = digits(&value[50..66]).ok_or_else(|| corrupt("generation is not digits"))?;
+    let mine = &value[34..50] == nonce;
+    let state = match value[1] {
+        b'p' if value.len() == header => {
+            let deadline =
+                digits(&value[66..82]).ok_or_else(|| corrupt("lease deadline is not digits"))?;
+            RecordState::InProgress {
+                lease_remaining: std::time::Duration::from_millis(deadline.saturating_sub(now_ms)),
+            }
+        }
+        b'c' => {
+            let completion = Completion::decode(value.slice(header..))
+                .map_err(|e| StoreError::with_source(crate::store::StoreErrorKind::Corrupt, e))?;
+            RecordState::Completed(completion)
+        }
+        _ => return Err(corrupt("unknown record state")),
+    };
+    Ok(Found {
+        record: Record {
+            fingerprint: Fingerprint::from_bytes(fingerprint),
+            generation,
+            state,
+        },
+        mine,
+    })
+}
+
+/// Bytes of a `GET` reply: `None` for no key.
+pub(super) fn value_bytes(v: Value) -> Result<Option<Bytes>, StoreError> {
+    match v {
+        Value::Nil => Ok(None),
+        Value::BulkString(b) => Ok(Some(Bytes::from(b))),
+        _ => Err(corrupt("record is not a string")),
+    }
+}
+
+/// Milliseconds since the Unix epoch from a `TIME` reply.
+pub(super) fn time_ms(v: &Value) -> Result<u64, StoreError> {
+    let part = |v: &Value| match v {
+        Value::BulkString(b) => digits(b),
+        Value::Int(n) => u64::try_from(*n).ok(),
+        _ => None,
+    };
+    match v {
+        Value::Array(items) if items.len() == 2 => {
+            let secs = part(&items[0]).ok_or_else(|| corrupt("TIME seconds"))?;
+            let micros = part(&items[1]).ok_or_else(|| corrupt("TIME microseconds"))?;
+            Ok(secs * 1000 + micros / 1000)
+        }
+        _ => Err(corrupt("TIME reply")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::StatusCode;
+    use std::time::Duration;
+
+    fn in_progress(deadline: u64) -> Vec<u8> {
+        let mut v = new_record(PLAIN, &Fingerprint::from_bytes([7; 32]), &[9; 16]);
+        v.extend_from_slice(format!("{deadline:016}").as_bytes());
+        v
+    }
+
+    #[test]
+    fn records_decode_with_their_lease_and_owner() {
+        let v = in_progress(10_500);
+        assert_eq!(v.len(), HEADER);
+        let found = decode(Bytes::from(v), 9_000, &[9; 16]).unwrap();
+        assert!(found.mine);
+        assert_eq!(found.record.generation, 1);
+        assert_eq!(found.record.fingerprint, Fingerprint::from_bytes([7; 32]));
+        assert_eq!(
+            found.record.state,
+            RecordState::InProgress {
+                lease_remaining: Duration::from_millis(1500)
+            }
+        );
+        let token = Token::from_parts(1, [9; 16]);
+        assert!(found.held_by(&token));
+        assert_eq!(token_bytes(&token).unwrap(), in_progress(0)[34..66]);
+        // A lapsed lease is zero left, and another nonce is not the owner.
+        let other = decode(Bytes::from(in_progress(1)), 9_000, &[1; 16]).unwrap();
+        assert!(!other.mine);
+        assert_eq!(
+            other.record.state,
+            RecordState::InProgress {
+                lease_remaining: Duration::ZERO
+            }
+        );
+    }
+
+    #[test]
+    fn completed_records_decode_and_bad_bytes_are_corrupt() {
+        let done = Completion::Tombstone {
+            status: StatusCode::CREATED,
+        };
+        let mut v = in_progress(0);
+        v[1] = b'c';
+        v.extend_from_slice(&done.encode());
+        let found = decode(Bytes::from(v.clone()), 0, &[]).unwrap();
+        assert_eq!(found.record.state, RecordState::Completed(done));
+
+        let kind = |v: Vec<u8>| decode(Bytes::from(v), 0, &[]).unwrap_err().kind();
+        let mut junk = v.clone();
+        junk.truncate(HEADER);
+        junk.extend_from_slice(b"\x09junk");
+        assert_eq!(kind(junk), crate::store::StoreErrorKind::Corrupt);
+        let mut format = v.clone();
+        format[0] = b'1';
+        assert_eq!(kind(format), crate::store::StoreErrorKind::Corrupt);
+        assert_eq!(
+            kind(v[..40].to_vec()),
+            crate::store::StoreErrorKind::Corrupt
+        );
+        let mut gen = in_progress(0);
+        gen[60] = b'x';
+        assert_eq!(kind(gen), crate::store::StoreErrorKind::Corrupt);
+        // An in-progress record is exactly its header.
+        let mut long = in_progress(0);
+        long.push(0);
+        assert_eq!(kind(long), crate::store::StoreErrorKind::Corrupt);
+        assert_eq!(
+            value_bytes(Value::Int(3)).unwrap_err().kind(),
+            crate::store::StoreErrorKind::Corrupt
+        );
+        assert!(value_bytes(Value::Nil).unwrap().is_none());
+    }
+
+    #[test]
+    fn time_replies_are_milliseconds() {
+        let t = Value::Array(vec![
+            Value::BulkString(b"1700000000".to_vec()),
+            Value::BulkString(b"123456".to_vec()),
+        ]);
+        assert_eq!(time_ms(&t).unwrap(), 1_700_000_000_123);
+        assert!(time_ms(&Value::Nil).is_err());
+    }
+
+    #[test]
+    fn generations_past_sixteen_digits_are_no_token() {
+        assert!(token_bytes(&Token::from_parts(u64::MAX, [0; 16])).is_none());
+    }
+}
