@@ -11,10 +11,15 @@ use sha2::{Digest, Sha256};
 
 use crate::store::{StoreError, StoreErrorKind};
 
-/// The store key of one idempotency record: SHA-256 of (scope, key).
+/// The store key of one idempotency record: a hash of (scope, key).
 ///
 /// Stores never see the raw client key, only this hash, so a hostile key cannot
 /// reach a store's key space or its logs.
+///
+/// The first [`SCOPE_PREFIX`](Self::SCOPE_PREFIX) bytes are those of the record's
+/// [`ScopeId`], the other 28 a SHA-256 of (scope, key): a store that only gets the id can
+/// still place a scope's records together (Redis Cluster hash-tags them into one slot, so a
+/// per-scope quota is counted atomically beside the record).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct RecordId([u8; 32]);
 
@@ -25,7 +30,7 @@ impl RecordId {
     /// unscoped space differs from every named scope, the empty one included.
     pub fn new(scope: Option<&str>, key: &str) -> Self {
         let mut h = Sha256::new();
-        h.update(b"tower-idempotency record v1\0");
+        h.update(b"tower-idempotency record v2\0");
         match scope {
             None => h.update([0u8]),
             Some(s) => {
@@ -36,8 +41,14 @@ impl RecordId {
         }
         h.update((key.len() as u64).to_be_bytes());
         h.update(key.as_bytes());
-        Self(h.finalize().into())
+        let mut id: [u8; 32] = h.finalize().into();
+        // 224 bits of hash stay: still collision-free for any number of records.
+        id[..Self::SCOPE_PREFIX].copy_from_slice(&ScopeId::new(scope).0[..Self::SCOPE_PREFIX]);
+        Self(id)
     }
+
+    /// How many leading bytes of a record id are its scope id's.
+    pub const SCOPE_PREFIX: usize = 4;
 
     /// Wraps 32 bytes read back from a store.
     pub const fn from_bytes(bytes: [u8; 32]) -> Self {
@@ -565,6 +576,22 @@ mod tests {
         );
         assert_ne!(RecordId::new(None, "k"), RecordId::new(Some(""), "k"));
         assert_eq!(RecordId::new(Some("t"), "k"), RecordId::new(Some("t"), "k"));
+    }
+
+    #[test]
+    fn a_record_id_starts_with_its_scope_ids_prefix() {
+        let n = RecordId::SCOPE_PREFIX;
+        for scope in [None, Some(""), Some("tenant-a"), Some("tenant-b")] {
+            let a = RecordId::new(scope, "k1");
+            let b = RecordId::new(scope, "k2");
+            assert_eq!(a.as_bytes()[..n], ScopeId::new(scope).as_bytes()[..n]);
+            assert_eq!(a.as_bytes()[..n], b.as_bytes()[..n]);
+            assert_ne!(a, b, "the rest still tells keys apart");
+        }
+        assert_ne!(
+            RecordId::new(Some("tenant-a"), "k").as_bytes()[..n],
+            RecordId::new(Some("tenant-b"), "k").as_bytes()[..n]
+        );
     }
 
     #[test]
