@@ -1490,7 +1490,7 @@ async fn a_full_scope_refuses_new_keys_but_replays_and_other_scopes_still_claim(
         ClaimOutcome::Existing(r) => {
             assert_eq!(r.state, RecordState::Completed(response(201, "one")))
         }
-        other => panic!("expected a replay, got {other:?}"),
+        other @ ClaimOutcome::Claimed(_) => panic!("expected a replay, got {other:?}"),
     }
     assert!(matches!(
         store

@@ -19,7 +19,7 @@ impl PostgresStore {
     /// takeovers of the record wait (a renewal that waits past its deadline fails, and the
     /// next one is tried); keep the transaction shorter than the lease.
     ///
-    /// Fenced like [`complete`](IdempotencyStore::complete): a stale token is
+    /// Fenced like [`complete`](crate::store::IdempotencyStore::complete): a stale token is
     /// [`StoreErrorKind::Fenced`]. Not needed under `READ COMMITTED`.
     pub async fn lock_in<C>(
         &self,
@@ -74,7 +74,7 @@ impl PostgresStore {
     /// Completes `token`'s claim through `client`, typically inside your own transaction, so
     /// the recorded answer commits with your writes or not at all.
     ///
-    /// Fenced like [`complete`](IdempotencyStore::complete): a stale token is
+    /// Fenced like [`complete`](crate::store::IdempotencyStore::complete): a stale token is
     /// [`StoreErrorKind::Fenced`] and writes nothing (roll back then). Not retried: a
     /// serialization failure aborts your transaction, and is [`StoreErrorKind::Unavailable`]
     /// with the driver error as source; retry the whole transaction.
