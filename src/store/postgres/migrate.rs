@@ -55,7 +55,7 @@ impl fmt::Display for SetupError {
             SetupError::MissingTable { table } => write!(
                 f,
                 "the idempotency table {table} does not exist; create it with \
-                 PostgresStore::migrate() (or the SQL in the store's docs)"
+                 PostgresStore::migrate() (or the statements it runs: see the store's docs)"
             ),
             SetupError::Migrate { table, error } => write!(
                 f,

@@ -26,9 +26,11 @@
 //!
 //! [`migrate`](PostgresStore::migrate) creates this table (`idempotency_records` unless
 //! [`with_table`](PostgresStore::with_table) names another), an index on `expires_at` for
-//! the sweeper, a partial index on `(scope, expires_at)` for per-scope quotas, and the quota
-//! claim function `<table>_claim`. The statements are the `.sql` files of
-//! `src/store/postgres/sql/`, one per operation:
+//! the sweeper, a partial index on `(scope, expires_at)` for per-scope quotas, and the
+//! PL/pgSQL function `<table>_claim` that every claim which writes goes through. The
+//! statements are the `.sql` files of `src/store/postgres/sql/`, one per operation; when the
+//! schema is managed elsewhere, apply `migrate.sql` and `claim_function.sql` (with the
+//! table's name) there. The table:
 //!
 //! ```sql
 //! CREATE TABLE idempotency_records (
