@@ -9,6 +9,7 @@ mod common;
 use tower_idempotency::{conformance, conformance_suite};
 mod pg_support;
 
+use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,7 +18,7 @@ use pg_support::{admin, eventually, mode, pool, pool_from, store_in, unique, Pro
 use tokio::sync::{Barrier, Notify};
 use tower_idempotency::store::postgres::{PostgresStore, SetupError};
 use tower_idempotency::store::{ClaimOutcome, IdempotencyStore, StoreError, StoreErrorKind};
-use tower_idempotency::{RecordState, Token};
+use tower_idempotency::{RecordId, RecordState, ScopeId, Token};
 
 const LEASE: Duration = Duration::from_secs(30);
 const TTL: Duration = Duration::from_secs(600);
@@ -211,7 +212,7 @@ async fn concurrent_migrations_of_a_new_table_all_succeed() {
         .await
         .unwrap()
         .get(0);
-    assert_eq!(indexes, 2, "primary key and expires_at index");
+    assert_eq!(indexes, 3, "primary key, expires_at and scope indexes");
     // And once more, on an existing table.
     let store = store_in(&url, &schema, 1, "tidem-migrate-again").await;
     store.migrate().await.unwrap();
@@ -1407,5 +1408,408 @@ async fn complete_in_under_repeatable_read_or_serializable_works_after_lock_in()
         tx.rollback().await.unwrap();
     }
     drop(store);
+    schema.drop_now().await;
+}
+
+// Per-scope quotas (issue 12, point 3).
+
+fn quota_error(outcome: Result<ClaimOutcome, StoreError>) -> StoreErrorKind {
+    match outcome {
+        Err(e) => e.kind(),
+        Ok(other) => panic!("expected a quota error, got {other:?}"),
+    }
+}
+
+/// A migrated store in `schema` with the given quotas, on `size` connections.
+async fn quota_store(
+    url: &str,
+    schema: &TestSchema,
+    size: usize,
+    records: Option<usize>,
+    bytes: Option<usize>,
+) -> PostgresStore {
+    let mut store = store_in(url, schema, size, "tidem-quota").await;
+    if let Some(n) = records {
+        store = store.with_max_records_per_scope(NonZeroUsize::new(n).unwrap());
+    }
+    if let Some(n) = bytes {
+        store = store.with_max_bytes_per_scope(NonZeroUsize::new(n).unwrap());
+    }
+    store.verify().await.unwrap();
+    store
+}
+
+/// A record id of `scope`, as the layer derives it.
+fn scoped_id(scope: &str, key: &str) -> RecordId {
+    RecordId::new(Some(scope), &format!("{key}-{}", unique("k")))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_scope_refuses_new_keys_but_replays_and_other_scopes_still_claim() {
+    let Some(url) = pg_support::url() else { return };
+    let schema = TestSchema::create(&url, "quota_records").await;
+    let store = quota_store(&url, &schema, 2, Some(2), None).await;
+    let (a, b) = (
+        ScopeId::new(Some("tenant-a")),
+        ScopeId::new(Some("tenant-b")),
+    );
+    let (a1, a2, a3) = (
+        scoped_id("tenant-a", "1"),
+        scoped_id("tenant-a", "2"),
+        scoped_id("tenant-a", "3"),
+    );
+
+    let t1 = claimed(
+        store
+            .claim_in_scope(&a, &a1, &fp(1), LEASE, TTL)
+            .await
+            .unwrap(),
+    );
+    store
+        .complete(&a1, &t1, &response(201, "one"), TTL)
+        .await
+        .unwrap();
+    let t2 = claimed(
+        store
+            .claim_in_scope(&a, &a2, &fp(2), LEASE, TTL)
+            .await
+            .unwrap(),
+    );
+
+    // Full: a new key is refused and nothing is written.
+    let over = store.claim_in_scope(&a, &a3, &fp(3), LEASE, TTL).await;
+    assert_eq!(quota_error(over), StoreErrorKind::QuotaExceeded);
+    assert!(store.get(&a3).await.unwrap().is_none());
+
+    // Retries of the scope's records still get their answers: a replay, and a conflict.
+    match store
+        .claim_in_scope(&a, &a1, &fp(1), LEASE, TTL)
+        .await
+        .unwrap()
+    {
+        ClaimOutcome::Existing(r) => {
+            assert_eq!(r.state, RecordState::Completed(response(201, "one")))
+        }
+        other @ ClaimOutcome::Claimed(_) => panic!("expected a replay, got {other:?}"),
+    }
+    assert!(matches!(
+        store
+            .claim_in_scope(&a, &a2, &fp(2), LEASE, TTL)
+            .await
+            .unwrap(),
+        ClaimOutcome::Existing(_)
+    ));
+    // A mismatch is still a mismatch, not a quota error.
+    assert!(matches!(
+        store
+            .claim_in_scope(&a, &a1, &fp(9), LEASE, TTL)
+            .await
+            .unwrap(),
+        ClaimOutcome::Existing(_)
+    ));
+
+    // Another scope is not affected.
+    let b1 = scoped_id("tenant-b", "1");
+    claimed(
+        store
+            .claim_in_scope(&b, &b1, &fp(1), LEASE, TTL)
+            .await
+            .unwrap(),
+    );
+
+    // A released record frees its room.
+    store.release(&a2, &t2).await.unwrap();
+    claimed(
+        store
+            .claim_in_scope(&a, &a3, &fp(3), LEASE, TTL)
+            .await
+            .unwrap(),
+    );
+    drop(store);
+    schema.drop_now().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expired_records_and_unscoped_claims_do_not_count() {
+    let Some(url) = pg_support::url() else { return };
+    let schema = TestSchema::create(&url, "quota_expired").await;
+    let store = quota_store(&url, &schema, 2, Some(1), None).await;
+    let a = ScopeId::new(Some("tenant-a"));
+    let first = scoped_id("tenant-a", "1");
+    let t = claimed(
+        store
+            .claim_in_scope(&a, &first, &fp(1), LEASE, TTL)
+            .await
+            .unwrap(),
+    );
+    store
+        .complete(&first, &t, &response(200, "x"), TTL)
+        .await
+        .unwrap();
+    let second = scoped_id("tenant-a", "2");
+    assert_eq!(
+        quota_error(store.claim_in_scope(&a, &second, &fp(2), LEASE, TTL).await),
+        StoreErrorKind::QuotaExceeded
+    );
+    // The first record expires (by the database's clock), unswept: it no longer counts.
+    admin(&url)
+        .await
+        .execute(
+            &format!(
+                "UPDATE {} SET expires_at = now() - interval '1 second'",
+                schema.table()
+            ),
+            &[],
+        )
+        .await
+        .unwrap();
+    claimed(
+        store
+            .claim_in_scope(&a, &second, &fp(2), LEASE, TTL)
+            .await
+            .unwrap(),
+    );
+    // `claim` without a scope is never counted (and never refused).
+    claimed(
+        store
+            .claim(&scoped_id("tenant-a", "3"), &fp(3), LEASE, TTL)
+            .await
+            .unwrap(),
+    );
+    drop(store);
+    schema.drop_now().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bytes_quota_counts_recorded_answers() {
+    let Some(url) = pg_support::url() else { return };
+    let schema = TestSchema::create(&url, "quota_bytes").await;
+    // Room for two records' overhead (160 each) and a 1,000-byte answer, not a second one.
+    let store = quota_store(&url, &schema, 2, None, Some(2 * 160 + 1_500)).await;
+    let a = ScopeId::new(Some("tenant-a"));
+    let first = scoped_id("tenant-a", "1");
+    let t = claimed(
+        store
+            .claim_in_scope(&a, &first, &fp(1), LEASE, TTL)
+            .await
+            .unwrap(),
+    );
+    store
+        .complete(&first, &t, &response(200, vec![b'x'; 1_000]), TTL)
+        .await
+        .unwrap();
+    let second = scoped_id("tenant-a", "2");
+    let t = claimed(
+        store
+            .claim_in_scope(&a, &second, &fp(2), LEASE, TTL)
+            .await
+            .unwrap(),
+    );
+    store
+        .complete(&second, &t, &response(200, vec![b'y'; 1_000]), TTL)
+        .await
+        .unwrap();
+    // 2 × 160 + 2,000 bytes of bodies (and the headers) are over 1,820.
+    let third = scoped_id("tenant-a", "3");
+    assert_eq!(
+        quota_error(store.claim_in_scope(&a, &third, &fp(3), LEASE, TTL).await),
+        StoreErrorKind::QuotaExceeded
+    );
+    // A budget below one record's overhead refuses every new key.
+    let tiny = quota_store(&url, &schema, 1, None, Some(100)).await;
+    let b = ScopeId::new(Some("tenant-b"));
+    assert_eq!(
+        quota_error(
+            tiny.claim_in_scope(&b, &scoped_id("tenant-b", "1"), &fp(1), LEASE, TTL)
+                .await
+        ),
+        StoreErrorKind::QuotaExceeded
+    );
+    drop((store, tiny));
+    schema.drop_now().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_claims_of_one_scope_never_overshoot_its_quota() {
+    let Some(url) = pg_support::url() else { return };
+    let schema = TestSchema::create(&url, "quota_race").await;
+    let store = Arc::new(quota_store(&url, &schema, 8, Some(5), None).await);
+    let scope = ScopeId::new(Some("tenant-a"));
+    let barrier = Arc::new(Barrier::new(32));
+    let tasks: Vec<_> = (0..32)
+        .map(|i| {
+            let (store, barrier) = (store.clone(), barrier.clone());
+            tokio::spawn(async move {
+                let id = scoped_id("tenant-a", &i.to_string());
+                barrier.wait().await;
+                store.claim_in_scope(&scope, &id, &fp(1), LEASE, TTL).await
+            })
+        })
+        .collect();
+    let (mut won, mut refused) = (0, 0);
+    for t in tasks {
+        match t.await.unwrap() {
+            Ok(ClaimOutcome::Claimed(_)) => won += 1,
+            Err(e) if e.kind() == StoreErrorKind::QuotaExceeded => refused += 1,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!((won, refused), (5, 27));
+    let rows: i64 = admin(&url)
+        .await
+        .query_one(&format!("SELECT count(*) FROM {}", schema.table()), &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(rows, 5);
+    drop(store);
+    schema.drop_now().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_with_quotas_is_one_round_trip() {
+    let Some(url) = pg_support::url() else { return };
+    let schema = TestSchema::create(&url, "quota_rtt").await;
+    store_in(&url, &schema, 1, "tidem-quota-rtt-setup").await;
+    let proxy = Proxy::start(&url).await;
+    let store = PostgresStore::new(pool_from(proxy.config(&url), 1, "tidem-quota-rtt"))
+        .with_table(&schema.table())
+        .unwrap()
+        .with_max_records_per_scope(NonZeroUsize::new(1).unwrap());
+    let a = ScopeId::new(Some("tenant-a"));
+    // Connect and prepare the statement once.
+    let warm = scoped_id("tenant-a", "warm");
+    let t = claimed(
+        store
+            .claim_in_scope(&a, &warm, &fp(1), LEASE, TTL)
+            .await
+            .unwrap(),
+    );
+    store.release(&warm, &t).await.unwrap();
+
+    let before = proxy.round_trips();
+    let id = scoped_id("tenant-a", "1");
+    claimed(
+        store
+            .claim_in_scope(&a, &id, &fp(1), LEASE, TTL)
+            .await
+            .unwrap(),
+    );
+    let new = proxy.round_trips() - before;
+    let before = proxy.round_trips();
+    assert!(matches!(
+        store
+            .claim_in_scope(&a, &id, &fp(1), LEASE, TTL)
+            .await
+            .unwrap(),
+        ClaimOutcome::Existing(_)
+    ));
+    let conflict = proxy.round_trips() - before;
+    let before = proxy.round_trips();
+    let over = store
+        .claim_in_scope(&a, &scoped_id("tenant-a", "2"), &fp(1), LEASE, TTL)
+        .await;
+    assert_eq!(quota_error(over), StoreErrorKind::QuotaExceeded);
+    let refused = proxy.round_trips() - before;
+    assert_eq!((new, conflict, refused), (1, 1, 1));
+    drop(store);
+    schema.drop_now().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_upgrades_a_table_from_before_quotas_and_keeps_an_operators_settings() {
+    let Some(url) = pg_support::url() else { return };
+    let schema = TestSchema::create(&url, "upgrade").await;
+    let table = schema.table();
+    let admin = admin(&url).await;
+    // The table as the previous release created it, with a fillfactor an operator chose.
+    admin
+        .batch_execute(&format!(
+            "CREATE TABLE {table} (
+                 id bytea PRIMARY KEY CHECK (octet_length(id) = 32),
+                 fingerprint bytea NOT NULL CHECK (octet_length(fingerprint) = 32),
+                 state smallint NOT NULL CHECK (state IN (0, 1, 2)),
+                 generation bigint NOT NULL CHECK (generation > 0),
+                 nonce bytea NOT NULL CHECK (octet_length(nonce) = 16),
+                 locked_until timestamptz NOT NULL,
+                 status smallint, headers bytea, body bytea, trailers bytea,
+                 created_at timestamptz NOT NULL, expires_at timestamptz NOT NULL
+             ) WITH (fillfactor = 90);
+             CREATE INDEX records_expires_at_idx ON {table} (expires_at);"
+        ))
+        .await
+        .unwrap();
+    let old = PostgresStore::new(pool(&url, 1, "tidem-upgrade"))
+        .with_table(&table)
+        .unwrap();
+    assert!(matches!(old.verify().await, Err(SetupError::Table { .. })));
+    old.migrate().await.unwrap();
+    old.migrate().await.unwrap();
+    old.verify().await.unwrap();
+    let row = admin
+        .query_one(
+            &format!(
+                "SELECT c.reloptions::text,
+                        (SELECT count(*) FROM pg_index x WHERE x.indrelid = c.oid),
+                        (SELECT count(*) FROM pg_attribute a
+                          WHERE a.attrelid = c.oid AND a.attname = 'scope')
+                   FROM pg_class c WHERE c.oid = '{table}'::regclass"
+            ),
+            &[],
+        )
+        .await
+        .unwrap();
+    let options: String = row.get(0);
+    assert!(options.contains("fillfactor=90"), "{options}");
+    assert!(!options.contains("fillfactor=80"), "{options}");
+    assert!(
+        options.contains("autovacuum_vacuum_scale_factor=0.01"),
+        "{options}"
+    );
+    // The primary key, the sweeper's index and the scope index.
+    assert_eq!((row.get::<_, i64>(1), row.get::<_, i64>(2)), (3, 1));
+    // The upgraded table works with quotas.
+    let store = old.with_max_records_per_scope(NonZeroUsize::new(1).unwrap());
+    let a = ScopeId::new(Some("tenant-a"));
+    claimed(
+        store
+            .claim_in_scope(&a, &scoped_id("tenant-a", "1"), &fp(1), LEASE, TTL)
+            .await
+            .unwrap(),
+    );
+    assert_eq!(
+        quota_error(
+            store
+                .claim_in_scope(&a, &scoped_id("tenant-a", "2"), &fp(1), LEASE, TTL)
+                .await
+        ),
+        StoreErrorKind::QuotaExceeded
+    );
+    drop(store);
+    schema.drop_now().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_sets_the_storage_settings_of_a_new_table() {
+    let Some(url) = pg_support::url() else { return };
+    let schema = TestSchema::create(&url, "settings").await;
+    store_in(&url, &schema, 1, "tidem-settings").await;
+    let options: String = admin(&url)
+        .await
+        .query_one(
+            &format!(
+                "SELECT reloptions::text FROM pg_class WHERE oid = '{}'::regclass",
+                schema.table()
+            ),
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        options,
+        "{fillfactor=80,autovacuum_vacuum_scale_factor=0.01,\
+         autovacuum_analyze_scale_factor=0.05,autovacuum_vacuum_cost_delay=0}"
+    );
     schema.drop_now().await;
 }

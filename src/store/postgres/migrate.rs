@@ -1,0 +1,157 @@
+//! Setting the table up: [`migrate`](PostgresStore::migrate) (migrate.sql and
+//! claim_function.sql), [`verify`](PostgresStore::verify), and the errors of setup.
+
+use std::error::Error as StdError;
+use std::fmt;
+
+use deadpool_postgres::Object;
+use tokio::time::{timeout_at, Instant};
+use tokio_postgres::error::SqlState;
+
+use super::retry::{backoff, discard, MAX_ATTEMPTS};
+use super::PostgresStore;
+use crate::store::error_chain as chain;
+
+/// Why a [`PostgresStore`] could not be set up: from [`connect`](PostgresStore::connect),
+/// [`migrate`](PostgresStore::migrate) and [`verify`](PostgresStore::verify).
+///
+/// The text names the cause and what to do; the driver error it came from is kept in the
+/// variant (and is part of the text, so it is not repeated as a [`source`](StdError::source)).
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum SetupError {
+    /// The URL or connection string did not parse.
+    Url(tokio_postgres::Error),
+    /// No connection could be opened: nothing listening, refused login, unknown database.
+    Connect(deadpool_postgres::PoolError),
+    /// The table does not exist (or its schema does not): run
+    /// [`migrate`](PostgresStore::migrate).
+    MissingTable {
+        /// The table, as given to [`with_table`](PostgresStore::with_table).
+        table: String,
+    },
+    /// [`migrate`](PostgresStore::migrate) could not create the table: its schema does not
+    /// exist, or the role may not create it.
+    Migrate {
+        /// The table, as given to [`with_table`](PostgresStore::with_table).
+        table: String,
+        /// What the server (or the connection) said.
+        error: tokio_postgres::Error,
+    },
+    /// The table exists but the store cannot use it: a missing column, no privilege.
+    Table {
+        /// The table, as given to [`with_table`](PostgresStore::with_table).
+        table: String,
+        /// What the server said.
+        error: tokio_postgres::Error,
+    },
+}
+
+impl fmt::Display for SetupError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SetupError::Url(e) => write!(f, "invalid Postgres URL: {}", chain(e)),
+            SetupError::Connect(e) => write!(f, "could not connect to Postgres: {}", chain(e)),
+            SetupError::MissingTable { table } => write!(
+                f,
+                "the idempotency table {table} does not exist; create it with \
+                 PostgresStore::migrate() (or the statements it runs: see the store's docs)"
+            ),
+            SetupError::Migrate { table, error } => write!(
+                f,
+                "could not create the idempotency table {table}: {}",
+                chain(error)
+            ),
+            SetupError::Table { table, error } => write!(
+                f,
+                "the idempotency table {table} cannot be used: {}",
+                chain(error)
+            ),
+        }
+    }
+}
+
+impl StdError for SetupError {}
+
+impl PostgresStore {
+    /// Creates the table, its indexes and the quota function if they do not exist, and brings
+    /// a table made by an earlier version up to date: the `scope` column and its index, and
+    /// the storage settings (`fillfactor` and autovacuum, see the [module docs](super)) where
+    /// the table has none of its own. Run it after upgrading the crate: the statements use
+    /// every column.
+    ///
+    /// Idempotent, and safe when many processes run it at once: it takes a transaction-level
+    /// advisory lock first, and still treats a lost creation race (SQLSTATE `42P07`, `42710`,
+    /// or `23505` on the catalog) as done and checks again. A table that is up to date takes
+    /// no table lock. Adding the scope index to a large existing table blocks writes to it
+    /// while the index builds (the column is added without a rewrite); to avoid that, create
+    /// it first with `CREATE INDEX CONCURRENTLY <table>_scope_idx ON <table> (scope,
+    /// expires_at) WHERE scope IS NOT NULL`. The schema must exist.
+    pub async fn migrate(&self) -> Result<(), SetupError> {
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let client = self.setup_client().await?;
+            // One simple-query message: the statements run in one implicit transaction.
+            let Err(e) = client.batch_execute(&self.sql.migrate).await else {
+                return Ok(());
+            };
+            let race = e.code().is_some_and(|c| {
+                *c == SqlState::DUPLICATE_TABLE
+                    || *c == SqlState::DUPLICATE_OBJECT
+                    || *c == SqlState::UNIQUE_VIOLATION
+                    || *c == SqlState::T_R_SERIALIZATION_FAILURE
+                    || *c == SqlState::T_R_DEADLOCK_DETECTED
+            });
+            if !race || attempt >= MAX_ATTEMPTS {
+                if e.code().is_none() {
+                    discard(client);
+                }
+                return Err(SetupError::Migrate {
+                    table: self.table.name.clone(),
+                    error: e,
+                });
+            }
+            backoff(attempt).await;
+        }
+    }
+
+    /// A pooled connection for setup, within the timeout.
+    async fn setup_client(&self) -> Result<Object, SetupError> {
+        timeout_at(Instant::now() + self.timeout, self.pool.get())
+            .await
+            .unwrap_or(Err(deadpool_postgres::PoolError::Timeout(
+                deadpool_postgres::TimeoutType::Wait,
+            )))
+            .map_err(SetupError::Connect)
+    }
+
+    /// Checks that the table exists with every column the store uses, that this role may
+    /// read it, and that the claim function `migrate` creates is there: call it at
+    /// start-up (after [`migrate`](Self::migrate), or instead of it when the table is managed
+    /// elsewhere), so a missing table is a clear [`SetupError::MissingTable`] rather than a
+    /// `503` on every request.
+    pub async fn verify(&self) -> Result<(), SetupError> {
+        let client = self.setup_client().await?;
+        let checked = match client.query(&self.sql.verify, &[]).await {
+            // Preparing the claim resolves the function it calls, without running it.
+            Ok(_) => client.prepare(&self.sql.claim).await.map(drop),
+            Err(e) => Err(e),
+        };
+        match checked {
+            Ok(()) => Ok(()),
+            Err(e)
+                if e.code() == Some(&SqlState::UNDEFINED_TABLE)
+                    || e.code() == Some(&SqlState::INVALID_SCHEMA_NAME) =>
+            {
+                Err(SetupError::MissingTable {
+                    table: self.table.name.clone(),
+                })
+            }
+            Err(e) => Err(SetupError::Table {
+                table: self.table.name.clone(),
+                error: e,
+            }),
+        }
+    }
+}

@@ -1,0 +1,485 @@
+//! A Postgres store: one row per record, the database clock, one statement per operation.
+//!
+//! Built on [`tokio_postgres`] and a [`deadpool_postgres`] pool; both crates are re-exported
+//! so that your versions match ours. Create the table once with
+//! [`migrate`](PostgresStore::migrate) (safe to run from every replica at start-up), or, when
+//! the table is managed elsewhere, check it with [`verify`](PostgresStore::verify); then hand
+//! the store to the layer. Setup fails with a [`SetupError`] whose text names the cause.
+//!
+//! ```no_run
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! use tower_idempotency::store::postgres::PostgresStore;
+//!
+//! let store = PostgresStore::connect("postgres://app@db/app")
+//!     .await?
+//!     .with_table("idempotency.records")?;
+//! store.migrate().await?;
+//! let _sweeper = store.spawn_sweeper(std::time::Duration::from_secs(60));
+//! # #[derive(Clone)] struct Tenant(String);
+//! let layer = tower_idempotency::IdempotencyLayer::new(store)
+//!     .with_scope(|req| req.extensions.get::<Tenant>().map(|t| t.0.clone()));
+//! # drop(layer);
+//! # Ok(()) }
+//! ```
+//!
+//! # Schema
+//!
+//! [`migrate`](PostgresStore::migrate) creates this table (`idempotency_records` unless
+//! [`with_table`](PostgresStore::with_table) names another), an index on `expires_at` for
+//! the sweeper, a partial index on `(scope, expires_at)` for per-scope quotas, and the
+//! PL/pgSQL function `<table>_claim` that every claim which writes goes through. The
+//! statements are the `.sql` files of `src/store/postgres/sql/`, one per operation; when the
+//! schema is managed elsewhere, apply `migrate.sql` and `claim_function.sql` (with the
+//! table's name) there. The table:
+//!
+//! ```sql
+//! CREATE TABLE idempotency_records (
+//!     id           bytea       PRIMARY KEY,  -- RecordId: SHA-256 of (scope, key), 32 bytes
+//!     fingerprint  bytea       NOT NULL,     -- 32 bytes
+//!     state        smallint    NOT NULL,     -- 0 in progress, 1 response, 2 tombstone
+//!     generation   bigint      NOT NULL,     -- 1 for a first claim, + 1 per takeover
+//!     nonce        bytea       NOT NULL,     -- the token's random part, 16 bytes
+//!     locked_until timestamptz NOT NULL,     -- end of the holder's lease
+//!     status       smallint,                 -- the recorded answer, once completed
+//!     headers      bytea,
+//!     body         bytea,
+//!     trailers     bytea,                    -- NULL: the response had no trailers
+//!     created_at   timestamptz NOT NULL,
+//!     expires_at   timestamptz NOT NULL,     -- end of retention
+//!     scope        bytea                     -- ScopeId (32 bytes), only with quotas on
+//! );
+//! ```
+//!
+//! `migrate` also sets the table's storage settings, where the table has none of its own
+//! (so an operator's tuning survives restarts): `fillfactor = 80`, which leaves room on
+//! each page for the completion and the lease renewals of the rows inserted there, and
+//! `autovacuum_vacuum_scale_factor = 0.01`, `autovacuum_analyze_scale_factor = 0.05`,
+//! `autovacuum_vacuum_cost_delay = 0`: every record is inserted, updated and deleted within
+//! its TTL, so vacuum should run after 1% of the rows changed, not the default 20%.
+//!
+//! Headers and trailers use the compact binary layout of [`Completion::encode`] behind a
+//! format byte; bodies are raw `bytea`, never base64. The store writes
+//! `expires_at >= locked_until` for every in-progress row, so a live lease always outlives
+//! its retention; every statement still treats a row as live while its lease is, whatever
+//! `expires_at` says (see [`delete_expired`](PostgresStore::delete_expired)).
+//!
+//! # How the contract is met
+//!
+//! - **The claim is one statement and one round trip**, and it reads before it writes
+//!   (claim.sql). It first reads the row by its primary key. A completed record or a live
+//!   lease (a replay, a conflict, a mismatch) is the answer, and the writing half, the
+//!   PL/pgSQL function `<table>_claim` (claim_function.sql), is skipped by a one-time
+//!   filter: a replay is one index lookup and writes nothing. Otherwise the function claims:
+//!   it inserts an absent key (`INSERT … ON CONFLICT (id) DO NOTHING`); when a row is there
+//!   it reads it again with a fresh snapshot and, in one statement, replaces an expired row
+//!   (generation 1), takes over one in progress with a lapsed lease and the same
+//!   fingerprint (the generation plus one), or returns the row it found. A new request
+//!   costs two round trips (claim, then complete). The claim commits on its own before the
+//!   handler runs: no transaction and no pool connection is held while the handler works.
+//! - **Fencing**: `extend`, `complete` and `release` put the generation *and* the nonce in
+//!   their `WHERE` clause. Zero rows is [`StoreErrorKind::Fenced`], and nothing was written.
+//! - **One clock**: every time is the database's: `statement_timestamp()` (which is `now()`
+//!   for the store's own single-statement transactions, and stays correct inside a long
+//!   transaction for [`complete_in`](PostgresStore::complete_in)), and `clock_timestamp()`
+//!   for the end of a lease, so time a statement spent waiting on a row lock does not shorten
+//!   the lease it grants; the lease left is computed in SQL.
+//! - **Unknown outcomes**: the nonce is generated here, not in SQL. When a statement was sent
+//!   and the reply is lost (a timeout, a dropped connection), the store drops that connection
+//!   and runs the statement again on a fresh one. The claim, complete and release statements
+//!   also report what the row held before them, so the repeat tells "my first attempt
+//!   committed" (the row carries my nonce) from "someone else's record"; a repeated extend is
+//!   simply right. If that read-back fails too, the answer is [`StoreErrorKind::Unknown`],
+//!   never `Claimed`. Failures before anything was sent (no connection), and lost replies to
+//!   reads, are [`StoreErrorKind::Unavailable`].
+//! - **One deadline per operation**: pool checkout, statements, retries and read-back
+//!   together are bounded by [`with_timeout`](PostgresStore::with_timeout) (5 s by default).
+//!   A statement the store gives up on is cancelled on the server with the driver's cancel
+//!   token, so no backend keeps running it. On connections from
+//!   [`connect`](PostgresStore::connect), `statement_timeout` and `lock_timeout` sit below
+//!   that deadline, so a statement blocked on a lock is ended by the server first: a known
+//!   failure (SQLSTATE `57014` or `55P03`, rolled back), [`StoreErrorKind::Unavailable`]
+//!   with no read-back needed. TCP keepalives notice a half-open connection after a failover.
+//! - **Statements are prepared once per connection** (deadpool's statement cache). Use
+//!   [`RecyclingMethod::Fast`](deadpool_postgres::RecyclingMethod::Fast) (deadpool's
+//!   default, and what [`connect`](PostgresStore::connect) sets): `Verified` costs one more
+//!   round trip per checkout.
+//! - A claim that loses a race with a concurrent insert of the same key may cost one more
+//!   round trip: its statement snapshot predates the winner's commit, so it cannot return the
+//!   winner's row and runs once more.
+//!
+//! Postgres has no capacity limit of its own here: a full disk (SQLSTATE `53100`) is
+//! [`StoreErrorKind::Full`], and nothing is evicted.
+//!
+//! # Serializable isolation
+//!
+//! The store's statements are correct at any isolation level. When the role or database
+//! defaults to `SERIALIZABLE` (or `REPEATABLE READ`), concurrent claims of one key fail with
+//! serialization failures (`40001`) instead of waiting; the store retries `40001` and
+//! deadlocks (`40P01`) up to 8 attempts with a short jittered backoff, so callers do not see
+//! them. [`serialization_retries`](PostgresStore::serialization_retries) counts the retries.
+//!
+//! # Expiry, and why the table is not partitioned by time
+//!
+//! Rows past `expires_at` are absent to every operation, and a claim replaces one in the same
+//! statement. They are deleted by [`delete_expired`](PostgresStore::delete_expired), in
+//! batches, or by a background [`spawn_sweeper`](PostgresStore::spawn_sweeper) (opt in).
+//!
+//! The table is deliberately **not** partitioned by time. Uniqueness of the key is what makes
+//! the claim atomic, and Postgres can only enforce a primary key that includes the partition
+//! key: with partitions by day, a retry landing in the next day's partition would not
+//! conflict with the first request, and would run the work twice. At high volume, instead:
+//!
+//! - run the sweeper often enough that each pass deletes a few batches, not millions of rows;
+//! - make autovacuum keep up with the churn: `migrate` sets the settings above; lower
+//!   them further (`ALTER TABLE … SET (…)`, which `migrate` then keeps) if `n_dead_tup`
+//!   in `pg_stat_user_tables` keeps growing;
+//! - keep `max_response_body` modest: large bodies are TOASTed and dominate the table size;
+//! - hash-partition by `id` if one table grows too large to vacuum: that keeps the key unique.
+//!
+//! # Transactional completion
+//!
+//! A handler that writes to the same database can record its answer in its own transaction
+//! with [`complete_in`](PostgresStore::complete_in): the business writes and the recorded
+//! answer then commit together or not at all. If the transaction rolls back, the record stays
+//! in progress, and once its lease lapses a retry takes it over and runs the work again.
+//! The layer puts an [`IdempotencyContext`](crate::IdempotencyContext) (record id and token)
+//! into the request's extensions; a response carrying
+//! [`RecordDecision::AlreadyRecorded`](crate::RecordDecision::AlreadyRecorded) tells the layer
+//! not to complete or release after the handler did. The recorded [`Completion`] is what
+//! retries get, so it should match the response the handler returns.
+//!
+//! Under `REPEATABLE READ` or `SERIALIZABLE`, the layer's lease renewal updates the record
+//! while your transaction runs, and `complete_in` would then fail with a serialization failure
+//! (`40001`: the row changed after your snapshot). Call [`lock_in`](PostgresStore::lock_in)
+//! as the transaction's **first** statement: it takes the record's row lock with a snapshot
+//! that already has the latest renewal, and renewals wait for your commit. Under `READ
+//! COMMITTED` (Postgres's default) neither is needed.
+//!
+//! Use a pool of its own for business transactions: the store's pool also carries every
+//! claim and renewal, and a handler holding its connections can starve them.
+//!
+//! ```no_run
+//! use bytes::Bytes;
+//! use tower_idempotency::store::postgres::deadpool_postgres::Pool;
+//! use http::{header, Request, Response, StatusCode};
+//! use tower_idempotency::store::postgres::PostgresStore;
+//! use tower_idempotency::{IdempotencyContext, RecordDecision};
+//!
+//! type BoxError = Box<dyn std::error::Error + Send + Sync>;
+//!
+//! async fn place_order(
+//!     store: &PostgresStore,
+//!     business: &Pool, // not the store's pool
+//!     req: Request<Bytes>,
+//! ) -> Result<Response<Bytes>, BoxError> {
+//!     let ctx = req.extensions().get::<IdempotencyContext>().ok_or("not behind the layer")?;
+//!     let mut res = Response::builder()
+//!         .status(StatusCode::CREATED)
+//!         .header(header::CONTENT_TYPE, "application/json")
+//!         .body(Bytes::from_static(br#"{"order":"o-1"}"#))?;
+//!
+//!     let mut conn = business.get().await?;
+//!     let tx = conn.transaction().await?;
+//!     tx.execute("INSERT INTO orders (id, sku) VALUES ($1, $2)", &[&"o-1", &"sku-1"]).await?;
+//!     // Last before COMMIT. Fenced like `complete`: with a stale token it fails, and the
+//!     // order is rolled back with it.
+//!     store.record_in(&tx, ctx, &res).await?;
+//!     tx.commit().await?;
+//!
+//!     res.extensions_mut().insert(RecordDecision::AlreadyRecorded);
+//!     Ok(res)
+//! }
+//! ```
+//!
+//! # Per-scope quotas
+//!
+//! [`with_max_records_per_scope`](PostgresStore::with_max_records_per_scope) and
+//! [`with_max_bytes_per_scope`](PostgresStore::with_max_bytes_per_scope) bound what one scope
+//! (tenant) may hold, so one tenant cannot fill the database for the others: past a limit,
+//! that scope's new keys get [`StoreErrorKind::QuotaExceeded`] (the layer answers `429`)
+//! while retries of its existing records still replay and other scopes still claim. Records
+//! count until their `expires_at`; bytes are the recorded answers' (headers, body, trailers)
+//! plus 160 per record, as in the memory store.
+//!
+//! The claim stays one statement and one round trip, and a live record needs no room, so the
+//! quota is never checked for a replay (claim.sql answers it without calling the function).
+//! For a new key, the claim function takes a transaction-level advisory
+//! lock on the scope (claims of other scopes do not wait), counts the scope's live records
+//! through the `(scope, expires_at)` index, stopping at the first limit reached (so the cost
+//! is bounded by the quota, never a full count), and claims. The count runs after the lock,
+//! with a fresh snapshot, so concurrent claims of one scope cannot overshoot it. That holds
+//! under `READ COMMITTED` (the default) and `SERIALIZABLE` (where a conflicting count is a
+//! retried serialization failure); under `REPEATABLE READ` the count's snapshot is taken
+//! before the lock, and concurrent claims may overshoot by up to their number.
+//!
+//! With quotas off (the default) the function skips the quota, the `scope` column stays
+//! `NULL`, and the partial index gets no entry, so quotas cost nothing. Records claimed while
+//! quotas were off do not count once they are turned on.
+//!
+//! # What a request writes
+//!
+//! Measured on PostgreSQL 15 with `pg_stat_statements` (WAL bytes and records per statement),
+//! `pg_current_wal_lsn()` before and after N requests, and `pg_stat_user_tables` (rows
+//! inserted, updated, HOT-updated), with quotas off and a 70-byte answer (see BENCHMARKS.md):
+//!
+//! | request | statements | index entries written | WAL |
+//! |---|---|---:|---:|
+//! | replay, conflict, mismatch | claim: one primary-key read | 0 | 0 bytes |
+//! | new key | claim: INSERT (heap row, primary key, `expires_at` index) | 2 | 862 bytes, 4 records |
+//! | | complete: UPDATE (a new row version, not HOT: `expires_at` changes) | 2 | 380 bytes, 3 records |
+//! | | total with the commits | 4 | about 1.3 KB |
+//!
+//! The new-key figures include the full-page images of index pages first touched since the
+//! last checkpoint (about one claim in thirteen wrote one); they shrink with a longer
+//! `checkpoint_timeout`. A lease renewal that does not move `expires_at` (the usual case: the
+//! TTL outlives the lease) changes no indexed column and is a HOT update when its page has
+//! room, which `fillfactor = 80` leaves: no index entry. With quotas on, the partial scope
+//! index adds one entry per new key and one per completion; with them off it gets none.
+//! A takeover or the replacement of an expired record is an UPDATE like the completion.
+//!
+//! # TLS
+//!
+//! [`connect`](PostgresStore::connect) honours `sslmode` with the `postgres-tls` feature, and
+//! [`connect_with_tls`](PostgresStore::connect_with_tls) verifies the server against your CA;
+//! see them. With your own pool, pass it to [`PostgresStore::new`].
+
+mod migrate;
+mod ops;
+mod retry;
+mod rows;
+mod setup;
+mod sql;
+mod sweep;
+mod transaction;
+
+use std::error::Error as StdError;
+use std::fmt;
+use std::num::NonZeroUsize;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use deadpool_postgres;
+/// The rustls the `postgres-tls` feature uses, for [`PostgresStore::connect_with_tls`].
+#[cfg(feature = "postgres-tls")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres-tls")))]
+pub use rustls;
+pub use tokio_postgres;
+
+pub use migrate::SetupError;
+pub use sweep::SweeperHandle;
+
+use deadpool_postgres::Pool;
+
+use crate::error::ConfigError;
+#[cfg(doc)]
+use crate::record::Completion;
+#[cfg(doc)]
+use crate::store::StoreErrorKind;
+use setup::Owned;
+use sql::{Sql, Table};
+
+/// The table [`PostgresStore::new`] uses.
+pub const DEFAULT_TABLE: &str = "idempotency_records";
+
+/// Default bound on one operation: pool checkout, statement, retries and read-back.
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// An [`IdempotencyStore`](crate::store::IdempotencyStore) in a Postgres table. Cloning shares
+/// the pool.
+///
+/// See the [module docs](self) for the schema and how each guarantee is met.
+#[derive(Clone)]
+pub struct PostgresStore {
+    pool: Pool,
+    /// The driver config and TLS when `connect` built the pool: `with_timeout` rebuilds it then.
+    config: Option<Arc<Owned>>,
+    table: Arc<Table>,
+    sql: Arc<Sql>,
+    timeout: Duration,
+    retries: Arc<AtomicU64>,
+    quota: Quota,
+}
+
+/// Per-scope limits, as the quota function takes them (`NULL`: no limit).
+#[derive(Debug, Clone, Copy, Default)]
+struct Quota {
+    records: Option<i64>,
+    bytes: Option<i64>,
+}
+
+impl Quota {
+    fn is_on(&self) -> bool {
+        self.records.is_some() || self.bytes.is_some()
+    }
+}
+
+/// A limit as SQL `bigint`: no quota that fits in memory is larger.
+fn limit(n: NonZeroUsize) -> i64 {
+    i64::try_from(n.get()).unwrap_or(i64::MAX)
+}
+
+impl fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PostgresStore")
+            .field("table", &self.table.name)
+            .field("timeout", &self.timeout)
+            .field("quota", &self.quota)
+            .field("pool", &self.pool.status())
+            .finish_non_exhaustive()
+    }
+}
+
+impl PostgresStore {
+    /// A store on `pool`, in the table `idempotency_records`. Does no I/O.
+    ///
+    /// Each operation borrows a connection for one statement and returns it at once.
+    pub fn new(pool: Pool) -> Self {
+        let table = Table::parse(DEFAULT_TABLE).expect("the default table name is valid");
+        Self::with_parts(pool, None, table, DEFAULT_TIMEOUT)
+    }
+
+    fn with_parts(pool: Pool, config: Option<Arc<Owned>>, table: Table, timeout: Duration) -> Self {
+        Self {
+            sql: Arc::new(Sql::new(&table)),
+            table: Arc::new(table),
+            pool,
+            config,
+            timeout,
+            retries: Arc::new(AtomicU64::new(0)),
+            quota: Quota::default(),
+        }
+    }
+
+    /// Uses the table `name`: `table` or `schema.table`, each a lowercase SQL identifier
+    /// (`[a-z_][a-z0-9_]*`; at most 48 bytes for the table, 63 for the schema).
+    ///
+    /// Names are validated, not escaped: anything else is refused.
+    pub fn with_table(self, name: &str) -> Result<Self, ConfigError> {
+        let table = Table::parse(name)?;
+        let quota = self.quota;
+        let mut store = Self::with_parts(self.pool, self.config, table, self.timeout);
+        store.quota = quota;
+        Ok(store)
+    }
+
+    /// The most live records one scope (tenant) may hold at once (default: no per-scope
+    /// limit).
+    ///
+    /// Past it, that scope's new keys are refused with [`StoreErrorKind::QuotaExceeded`]
+    /// (the layer answers 429) while other scopes still claim: one tenant cannot fill the
+    /// table for everyone. Retries of the scope's existing records still replay. Needs the
+    /// function [`migrate`](Self::migrate) creates; see [Per-scope quotas](self#per-scope-quotas)
+    /// for how the count works and what it costs.
+    #[must_use]
+    pub fn with_max_records_per_scope(mut self, n: NonZeroUsize) -> Self {
+        self.quota.records = Some(limit(n));
+        self
+    }
+
+    /// The byte budget of one scope: its recorded answers (headers, body, trailers) plus 160
+    /// bytes per record (default: no per-scope limit). Checked when a new key is claimed: a
+    /// scope at or over it gets [`StoreErrorKind::QuotaExceeded`] until its records expire.
+    #[must_use]
+    pub fn with_max_bytes_per_scope(mut self, n: NonZeroUsize) -> Self {
+        self.quota.bytes = Some(limit(n));
+        self
+    }
+
+    /// Bounds each operation to `timeout` (default 5 s): pool checkout, statement, retries
+    /// and read-back together, one deadline per operation.
+    ///
+    /// A statement still running when a write's first attempt runs out (at two thirds of
+    /// `timeout`) is cancelled on the server and has an unknown outcome; the store reads it
+    /// back on a fresh connection in the time left (see the [module docs](self)).
+    ///
+    /// On a store from [`connect`](Self::connect) this also sets the connections'
+    /// `statement_timeout` to half of `timeout` and `lock_timeout` to two fifths, so the
+    /// server ends a blocked statement first, as a known failure
+    /// ([`StoreErrorKind::Unavailable`]); the pool is rebuilt for that (no I/O). On your own
+    /// pool ([`new`](Self::new)), set them yourself the same way, e.g. with the connection
+    /// option `-c statement_timeout=2500 -c lock_timeout=2000` for the default 5 s.
+    #[must_use]
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        if let Some(config) = &self.config {
+            match Self::owned_pool(config, timeout) {
+                Ok(pool) => self.pool = pool,
+                // Only a broken runtime setup fails here; the old pool still works.
+                Err(e) => tracing::warn!(
+                    error = &e as &dyn StdError,
+                    "could not rebuild the postgres pool with the new timeouts"
+                ),
+            }
+        }
+        self
+    }
+
+    /// The pool, for your own queries and for [`complete_in`](Self::complete_in).
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    /// The table name, as given.
+    pub fn table(&self) -> &str {
+        &self.table.name
+    }
+
+    /// How many times this store (and its clones) retried a statement after a
+    /// serialization failure or a deadlock.
+    pub fn serialization_retries(&self) -> u64 {
+        self.retries.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::record::{Fingerprint, RecordId};
+    use crate::store::{IdempotencyStore, StoreErrorKind};
+
+    #[tokio::test]
+    async fn equal_nonces_with_different_fingerprints_claim_once() {
+        let Some(url) = crate::store::test_backend_url("IDEMPOTENCY_TEST_POSTGRES_URL") else {
+            return;
+        };
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+            % 1_000_000_000;
+        let table = format!("tidem_unit_{}_{nanos}", std::process::id());
+        let store = PostgresStore::connect(&url)
+            .await
+            .unwrap()
+            .with_table(&table)
+            .unwrap();
+        store.migrate().await.unwrap();
+        crate::store::equal_nonces_with_different_fingerprints_claim_once(&store).await;
+        let client = store.pool().get().await.unwrap();
+        client
+            .batch_execute(&format!("DROP TABLE {table}; DROP FUNCTION {table}_claim"))
+            .await
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_failed_random_source_fails_the_claim_before_any_io() {
+        // A pool that would never connect: the claim must fail before it tries.
+        let config: tokio_postgres::Config = "host=127.0.0.1 port=1 user=nobody".parse().unwrap();
+        let manager = deadpool_postgres::Manager::new(config, tokio_postgres::NoTls);
+        let pool = Pool::builder(manager).max_size(1).build().unwrap();
+        let store = PostgresStore::new(pool);
+        let id = RecordId::new(None, "k");
+        let fp = Fingerprint::from_bytes([1; 32]);
+        crate::record::FAIL_RANDOM.with(|f| f.set(true));
+        let r = store
+            .claim(&id, &fp, Duration::from_secs(1), Duration::from_secs(1))
+            .await;
+        crate::record::FAIL_RANDOM.with(|f| f.set(false));
+        let e = r.unwrap_err();
+        assert_eq!(e.kind(), StoreErrorKind::Unavailable);
+        let cause = StdError::source(&e).unwrap().to_string();
+        assert!(cause.contains("random"), "{cause}");
+    }
+}

@@ -1,0 +1,227 @@
+//! The operations: the [`IdempotencyStore`] and [`IdempotencyAdmin`] implementations, one
+//! statement each (claim.sql, extend.sql, complete.sql, release.sql, get.sql; inspect.sql and
+//! remove.sql for operators).
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio_postgres::types::ToSql;
+
+use super::retry::Attempts;
+use super::rows::{
+    column, corrupt, decode_claim, decode_record, micros, token_params, CompleteParams, CorruptRow,
+    IN_PROGRESS,
+};
+use super::PostgresStore;
+use crate::record::{Completion, Fingerprint, Record, RecordId, ScopeId, Token};
+use crate::store::{
+    ClaimOutcome, IdempotencyAdmin, IdempotencyStore, RecordInfo, Removal, StoreError,
+    StoreErrorKind,
+};
+
+#[async_trait]
+impl IdempotencyStore for PostgresStore {
+    fn name(&self) -> &'static str {
+        "postgres"
+    }
+
+    async fn claim(
+        &self,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<ClaimOutcome, StoreError> {
+        self.claim_as(None, id, fingerprint, lease, ttl).await
+    }
+
+    /// With per-scope quotas ([`with_max_records_per_scope`](PostgresStore::with_max_records_per_scope),
+    /// [`with_max_bytes_per_scope`](PostgresStore::with_max_bytes_per_scope)) the claim counts
+    /// the scope's records first; without, it is [`claim`](IdempotencyStore::claim).
+    async fn claim_in_scope(
+        &self,
+        scope: &ScopeId,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<ClaimOutcome, StoreError> {
+        let scope = self.quota.is_on().then_some(scope);
+        self.claim_as(scope, id, fingerprint, lease, ttl).await
+    }
+
+    async fn extend(
+        &self,
+        id: &RecordId,
+        token: &Token,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
+        // Repeating an extend is harmless: its answer is right either way.
+        let (generation, nonce) = token_params(token);
+        let lease = micros(lease);
+        let params: [&(dyn ToSql + Sync); 4] =
+            [&id.as_bytes().as_slice(), &generation, &nonce, &lease];
+        let rows = self.run(&self.sql.extend, &params, false).await?;
+        if rows.is_empty() {
+            return Err(StoreError::new(StoreErrorKind::Fenced));
+        }
+        Ok(())
+    }
+
+    async fn complete(
+        &self,
+        id: &RecordId,
+        token: &Token,
+        completion: &Completion,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let owned = CompleteParams::new(id, token, completion, ttl);
+        let params = owned.params();
+        let mut attempts = Attempts::new(self, false);
+        loop {
+            let deadline = attempts.deadline()?;
+            match self.attempt(&self.sql.complete, &params, deadline).await {
+                Ok(rows) => {
+                    let row = rows
+                        .first()
+                        .ok_or_else(|| corrupt(CorruptRow("complete returned no row")))?;
+                    let applied: bool = column(row, "applied")?;
+                    // Completed with our token already: a resend, or our lost first attempt
+                    // committed. Either way our answer is stored.
+                    let done: bool = column(row, "done")?;
+                    if applied || done {
+                        return Ok(());
+                    }
+                    return match self.held(id, token, attempts.end).await? {
+                        Some((true, state)) if state != IN_PROGRESS => Ok(()),
+                        _ => Err(StoreError::new(StoreErrorKind::Fenced)),
+                    };
+                }
+                Err(f) => attempts.after(f).await?,
+            }
+        }
+    }
+
+    async fn release(&self, id: &RecordId, token: &Token) -> Result<(), StoreError> {
+        let (generation, nonce) = token_params(token);
+        let params: [&(dyn ToSql + Sync); 3] = [&id.as_bytes().as_slice(), &generation, &nonce];
+        let mut attempts = Attempts::new(self, false);
+        loop {
+            let deadline = attempts.deadline()?;
+            match self.attempt(&self.sql.release, &params, deadline).await {
+                Ok(rows) => {
+                    let row = rows
+                        .first()
+                        .ok_or_else(|| corrupt(CorruptRow("release returned no row")))?;
+                    let applied: bool = column(row, "applied")?;
+                    // Gone already: an earlier attempt deleted it, or it expired; the key is
+                    // free either way.
+                    let present: bool = column(row, "present")?;
+                    if applied || !present {
+                        return Ok(());
+                    }
+                    return match self.held(id, token, attempts.end).await? {
+                        None => Ok(()),
+                        Some(_) => Err(StoreError::new(StoreErrorKind::Fenced)),
+                    };
+                }
+                Err(f) => attempts.after(f).await?,
+            }
+        }
+    }
+
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        let rows = self
+            .run(&self.sql.get, &[&id.as_bytes().as_slice()], true)
+            .await?;
+        rows.first().map(decode_record).transpose()
+    }
+}
+
+impl PostgresStore {
+    /// The claim (claim.sql), counted against `scope`'s quota when there is one.
+    async fn claim_as(
+        &self,
+        scope: Option<&ScopeId>,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<ClaimOutcome, StoreError> {
+        // Our nonce, chosen before sending: it is how a read-back recognises our claim.
+        let nonce = *Token::generate(0)?.nonce();
+        let (lease, ttl) = (micros(lease), micros(ttl));
+        let scope_bytes = scope.map(|s| s.as_bytes().as_slice());
+        // Without a scope the limits are not used: pass none, so the function skips the
+        // quota whatever the store's settings.
+        let (records, bytes) = match scope {
+            Some(_) => (self.quota.records, self.quota.bytes),
+            None => (None, None),
+        };
+        let params: [&(dyn ToSql + Sync); 8] = [
+            &id.as_bytes().as_slice(),
+            &fingerprint.as_bytes().as_slice(),
+            &nonce.as_slice(),
+            &lease,
+            &ttl,
+            &scope_bytes,
+            &records,
+            &bytes,
+        ];
+        let mut attempts = Attempts::new(self, false);
+        loop {
+            let deadline = attempts.deadline()?;
+            match self.attempt(&self.sql.claim, &params, deadline).await {
+                Ok(rows) => match decode_claim(&rows, fingerprint, &nonce)? {
+                    Some(outcome) => return Ok(outcome),
+                    None => attempts.again()?,
+                },
+                Err(f) => attempts.after(f).await?,
+            }
+        }
+    }
+
+    /// One conditional delete; a lost reply is `Unavailable` (read back with `inspect`).
+    async fn remove(&self, id: &RecordId, completed: bool) -> Result<Removal, StoreError> {
+        let rows = self
+            .run(
+                &self.sql.remove,
+                &[&id.as_bytes().as_slice(), &completed],
+                true,
+            )
+            .await?;
+        let row = rows
+            .first()
+            .ok_or_else(|| corrupt("remove returned no row"))?;
+        let (removed, present): (bool, bool) = (column(row, "removed")?, column(row, "present")?);
+        Ok(match (removed, present) {
+            (true, _) => Removal::Removed,
+            (false, true) => Removal::Refused,
+            (false, false) => Removal::Absent,
+        })
+    }
+}
+
+#[async_trait]
+impl IdempotencyAdmin for PostgresStore {
+    async fn inspect(&self, id: &RecordId) -> Result<Option<RecordInfo>, StoreError> {
+        let rows = self
+            .run(&self.sql.inspect, &[&id.as_bytes().as_slice()], true)
+            .await?;
+        let Some(row) = rows.first() else {
+            return Ok(None);
+        };
+        let record = decode_record(row)?;
+        let us: i64 = column(row, "expires_us")?;
+        let expires_in = Duration::from_micros(u64::try_from(us).unwrap_or(0));
+        Ok(Some(RecordInfo::new(&record, expires_in)))
+    }
+
+    async fn force_release(&self, id: &RecordId) -> Result<Removal, StoreError> {
+        self.remove(id, false).await
+    }
+
+    async fn delete(&self, id: &RecordId) -> Result<Removal, StoreError> {
+        self.remove(id, true).await
+    }
+}

@@ -1,0 +1,9 @@
+-- The live record, if any. $1 id.
+SELECT r.generation, r.fingerprint, r.state,
+       CASE WHEN r.state = 0
+            THEN GREATEST(0, EXTRACT(EPOCH FROM (r.locked_until - statement_timestamp()))
+                             * 1000000)::bigint
+       END AS lease_us,
+       r.status, r.headers, r.body, r.trailers
+  FROM {table} AS r
+ WHERE r.id = $1::bytea AND NOT {expired}

@@ -1,0 +1,74 @@
+-- Create the table, or bring an existing one up to date. Runs as one simple-query message,
+-- so in one transaction, under a transaction-level advisory lock: replicas that migrate at
+-- once take turns. Every step checks the catalog first, so a table that is already up to
+-- date takes no table lock at all (`ALTER TABLE` and `CREATE INDEX` would, even when they
+-- change nothing).
+SELECT pg_advisory_xact_lock({lock_key});
+
+CREATE TABLE IF NOT EXISTS {table} (
+    id           bytea       PRIMARY KEY CHECK (octet_length(id) = 32),
+    fingerprint  bytea       NOT NULL CHECK (octet_length(fingerprint) = 32),
+    state        smallint    NOT NULL CHECK (state IN (0, 1, 2)),
+    generation   bigint      NOT NULL CHECK (generation > 0),
+    nonce        bytea       NOT NULL CHECK (octet_length(nonce) = 16),
+    locked_until timestamptz NOT NULL,
+    status       smallint,
+    headers      bytea,
+    body         bytea,
+    trailers     bytea,
+    created_at   timestamptz NOT NULL,
+    expires_at   timestamptz NOT NULL,
+    scope        bytea       CHECK (octet_length(scope) = 32)
+);
+
+DO $migrate$
+DECLARE
+    -- fillfactor: room on each page for the completion and the lease renewals of the rows
+    -- inserted there, so those updates stay on their page (and renewals are HOT). The
+    -- autovacuum settings: every record is inserted, updated and deleted within its TTL, so
+    -- vacuum runs after 1% of the rows changed instead of 20%, unthrottled.
+    wanted text[] := ARRAY['fillfactor=80',
+                           'autovacuum_vacuum_scale_factor=0.01',
+                           'autovacuum_analyze_scale_factor=0.05',
+                           'autovacuum_vacuum_cost_delay=0'];
+    have text[];
+    missing text[] := '{}';
+    w text;
+BEGIN
+    -- Tables from before the per-scope quotas.
+    IF NOT EXISTS (SELECT FROM pg_attribute
+                    WHERE attrelid = '{table}'::regclass AND attname = 'scope'
+                      AND NOT attisdropped) THEN
+        ALTER TABLE {table} ADD COLUMN scope bytea CHECK (octet_length(scope) = 32);
+    END IF;
+
+    -- Set each storage setting the table does not have yet; one an operator set is kept.
+    SELECT coalesce(reloptions, '{}') INTO have FROM pg_class WHERE oid = '{table}'::regclass;
+    FOREACH w IN ARRAY wanted LOOP
+        IF NOT EXISTS (SELECT FROM unnest(have) AS o
+                        WHERE split_part(o, '=', 1) = split_part(w, '=', 1)) THEN
+            missing := missing || w;
+        END IF;
+    END LOOP;
+    IF cardinality(missing) > 0 THEN
+        EXECUTE format('ALTER TABLE %s SET (%s)', '{table}'::regclass,
+                       array_to_string(missing, ', '));
+    END IF;
+
+    -- The sweeper's index.
+    IF NOT EXISTS (SELECT FROM pg_index AS x JOIN pg_class AS i ON i.oid = x.indexrelid
+                    WHERE x.indrelid = '{table}'::regclass
+                      AND i.relname = '{expires_index_name}') THEN
+        CREATE INDEX IF NOT EXISTS {expires_index} ON {table} (expires_at);
+    END IF;
+
+    -- Counting a scope's live records for its quota. Partial: records claimed without
+    -- quotas have no scope and cost no index entry.
+    IF NOT EXISTS (SELECT FROM pg_index AS x JOIN pg_class AS i ON i.oid = x.indexrelid
+                    WHERE x.indrelid = '{table}'::regclass
+                      AND i.relname = '{scope_index_name}') THEN
+        CREATE INDEX IF NOT EXISTS {scope_index} ON {table} (scope, expires_at)
+            WHERE scope IS NOT NULL;
+    END IF;
+END
+$migrate$;
