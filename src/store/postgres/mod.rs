@@ -199,7 +199,7 @@
 //! that scope's new keys get [`StoreErrorKind::QuotaExceeded`] (the layer answers `429`)
 //! while retries of its existing records still replay and other scopes still claim. Records
 //! count until their `expires_at`; bytes are the recorded answers' (headers, body, trailers)
-//! plus 160 per record, as in the memory store.
+//! plus 160 per record for the row and its index entries.
 //!
 //! The claim stays one statement and one round trip, and a live record needs no room, so the
 //! quota is never checked for a replay (claim.sql answers it without calling the function).
