@@ -79,6 +79,8 @@ pub(crate) fn app(store: Arc<dyn IdempotencyStore>, config: ShopConfig) -> (Rout
 
 /// The same API with no idempotency layer: the load script's baseline (`bench/load.sh`),
 /// so that both run the very same handlers and auth.
+// main.rs uses it; the tests that include this file do not all.
+#[allow(dead_code)]
 pub(crate) fn bare_app(config: ShopConfig) -> Router {
     routes()
         .layer(axum::middleware::from_fn(authenticate))
@@ -88,6 +90,7 @@ pub(crate) fn bare_app(config: ShopConfig) -> Router {
 /// The same API behind a layer that does nothing: what any tower layer on an axum `Router`
 /// costs per request (axum boxes and clones each layered route), the load script's second
 /// baseline.
+#[allow(dead_code)]
 pub(crate) fn noop_layer_app(config: ShopConfig) -> Router {
     routes()
         .layer(tower::layer::util::Identity::new())
