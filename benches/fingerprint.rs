@@ -31,7 +31,27 @@ fn order_json(n: usize) -> Vec<u8> {
     .into_bytes()
 }
 
+/// `FINGERPRINT_COUNT=<items> <bench binary>`: canonicalise and hash that order 100 times and
+/// exit, without criterion: a fixed workload for `valgrind --tool=callgrind`, whose instruction
+/// counts do not move with the machine's load (see BENCHMARKS.md).
+fn count_only() -> bool {
+    let Some(items) = std::env::var("FINGERPRINT_COUNT")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    else {
+        return false;
+    };
+    let body = order_json(items);
+    for _ in 0..100 {
+        assert!(tower_idempotency::__bench::canonical_json_digest(black_box(&body)).is_some());
+    }
+    true
+}
+
 fn fingerprint(c: &mut Criterion) {
+    if count_only() {
+        return;
+    }
     // Item counts for bodies of about 200 B, 1 KiB, 64 KiB and 1 MiB.
     for (label, items) in [("200B", 1), ("1KiB", 6), ("64KiB", 400), ("1MiB", 6400)] {
         let body = order_json(items);
