@@ -149,13 +149,14 @@ pub(crate) fn fingerprint(
     };
     with_buffers(|b| {
         let done = match kind {
-            BodyKind::Json => canonicalise(body, &config.excluded, &mut b.out, &mut b.work),
+            BodyKind::Json => canonicalise(body, &config.excluded, &mut b.out, &mut b.work, true),
             BodyKind::Form => canonical_form_into(body, &mut b.out),
             BodyKind::Raw => false,
         };
         if done {
             h.field(kind.tag());
-            h.field(&b.out);
+            h.0.update((b.out.len() as u64).to_be_bytes());
+            hash_canonical(&mut h.0, &b.out, &b.work.top);
         } else {
             h.field(BodyKind::Raw.tag());
             h.field(body);
@@ -337,11 +338,21 @@ pub(crate) fn canonical_json_into(
     excluded: &[JsonPointer],
     out: &mut Vec<u8>,
 ) -> bool {
-    with_buffers(|b| canonicalise(body, excluded, out, &mut b.work))
+    with_buffers(|b| canonicalise(body, excluded, out, &mut b.work, false))
 }
 
-fn canonicalise(body: &[u8], excluded: &[JsonPointer], out: &mut Vec<u8>, work: &mut Work) -> bool {
+/// Writes the canonical form of `body` into `out`, or returns `false`. With `defer_top`, an
+/// outermost object whose members are out of order is left unsorted in `out` and its order
+/// put in `work.top` instead, for [`hash_canonical`]: that saves copying the whole body twice.
+fn canonicalise(
+    body: &[u8],
+    excluded: &[JsonPointer],
+    out: &mut Vec<u8>,
+    work: &mut Work,
+    defer_top: bool,
+) -> bool {
     out.clear();
+    work.top.clear();
     if std::str::from_utf8(body).is_err() {
         return false;
     }
@@ -356,6 +367,7 @@ fn canonicalise(body: &[u8], excluded: &[JsonPointer], out: &mut Vec<u8>, work: 
         scratch: std::mem::take(&mut work.scratch),
         pointers: excluded.iter().map(Pointer::new).collect(),
         active: (0..excluded.len()).collect(),
+        top: defer_top.then(|| std::mem::take(&mut work.top)),
     };
     let done = if excluded.is_empty() {
         let mut open = std::mem::take(&mut work.open);
@@ -366,7 +378,29 @@ fn canonicalise(body: &[u8], excluded: &[JsonPointer], out: &mut Vec<u8>, work: 
         c.run().is_some()
     };
     (work.stack, work.members, work.scratch) = (c.stack, c.members, c.scratch);
+    if let Some(top) = c.top {
+        work.top = top;
+    }
     done
+}
+
+/// Feeds the canonical form that [`canonicalise`] left in `out` and `top` to `h`: `out` as it
+/// is, or, where `top` holds the outermost object's members (ranges of `out`) in order, the
+/// bytes before them, the members in that order with commas, and the closing brace.
+fn hash_canonical(h: &mut Sha256, out: &[u8], top: &[(usize, usize)]) {
+    let (Some(first), Some(last)) = (top.iter().map(|m| m.0).min(), top.iter().map(|m| m.1).max())
+    else {
+        h.update(out);
+        return;
+    };
+    h.update(&out[..first]);
+    for (k, &(a, b)) in top.iter().enumerate() {
+        if k > 0 {
+            h.update(b",");
+        }
+        h.update(&out[a..b]);
+    }
+    h.update(&out[last..]);
 }
 
 /// Buffers one thread reuses from request to request, so that a small body costs no
@@ -384,6 +418,8 @@ struct Work {
     open: Vec<Open>,
     members: Vec<Member>,
     scratch: Vec<u8>,
+    /// The outermost object's members in order, when left unsorted in the output.
+    top: Vec<(usize, usize)>,
 }
 
 thread_local! {
@@ -411,7 +447,9 @@ fn with_buffers<R>(f: impl FnOnce(&mut Buffers) -> R) -> R {
     b.work.stack.clear();
     b.work.open.clear();
     b.work.members.clear();
+    b.work.top.clear();
     if b.work.stack.capacity() > KEEP / 64
+        || b.work.top.capacity() > KEEP / 16
         || b.work.open.capacity() > KEEP / 64
         || b.work.members.capacity() > KEEP / 32
     {
@@ -428,7 +466,11 @@ fn with_buffers<R>(f: impl FnOnce(&mut Buffers) -> R) -> R {
 /// SHA-256 of the canonical JSON form of `body`, with the buffers `fingerprint` uses.
 pub(crate) fn canonical_json_digest(body: &[u8]) -> Option<[u8; 32]> {
     with_buffers(|b| {
-        canonicalise(body, &[], &mut b.out, &mut b.work).then(|| Sha256::digest(&b.out).into())
+        canonicalise(body, &[], &mut b.out, &mut b.work, true).then(|| {
+            let mut h = Sha256::new();
+            hash_canonical(&mut h, &b.out, &b.work.top);
+            h.finalize().into()
+        })
     })
 }
 
@@ -529,6 +571,8 @@ struct Canon<'a, 'o> {
     pointers: Vec<Pointer>,
     /// Indices into `pointers`: a range per open frame, then per current item.
     active: Vec<usize>,
+    /// Where the outermost object's order goes instead of sorting its bytes, if anywhere.
+    top: Option<Vec<(usize, usize)>>,
 }
 
 impl Canon<'_, '_> {
@@ -883,7 +927,8 @@ impl Canon<'_, '_> {
                         Some(b'}') => {
                             i += 1;
                             let f = open.pop()?;
-                            call!(self.close_members(f.start, f.members))?;
+                            let top = open.is_empty();
+                            call!(self.close_members(f.start, f.members, top))?;
                         }
                         _ => return None,
                     }
@@ -995,12 +1040,12 @@ impl Canon<'_, '_> {
     /// refuses duplicate keys, and writes them back in order if they were not.
     fn close_object(&mut self) -> Option<()> {
         let f = self.stack.pop()?;
-        self.close_members(f.start, f.members)
+        self.close_members(f.start, f.members, self.stack.is_empty())
     }
 
     /// Closes the object whose `{` is at output position `start`, its members from
-    /// `self.members[base..]`, its `}` just before `self.i`.
-    fn close_members(&mut self, start: usize, base: usize) -> Option<()> {
+    /// `self.members[base..]`, its `}` just before `self.i`. `top`: it is the outermost value.
+    fn close_members(&mut self, start: usize, base: usize, top: bool) -> Option<()> {
         let close = self.i - 1;
         // Where the members' bytes are: still in the input when the whole object is pending
         // (no whitespace, no rewritten value), else in `out`.
@@ -1071,6 +1116,19 @@ impl Canon<'_, '_> {
                 members[k]
             }
         };
+        if let (false, true, Some(order)) = (in_input, top, self.top.as_mut()) {
+            // The outermost object, already in `out`: leave its bytes where they are and
+            // record the order to hash them in.
+            order.clear();
+            order.extend((0..n).map(|k| {
+                let m = nth(k);
+                (m.key, m.end)
+            }));
+            self.members.truncate(base);
+            self.out.push(b'}');
+            self.pending = (close + 1, close + 1);
+            return Some(());
+        }
         let (src, delta) = if in_input {
             // Write the members straight from the input.
             (self.s, delta)
@@ -1966,6 +2024,35 @@ mod tests {
     }
 
     #[test]
+    fn an_unsorted_outermost_object_is_hashed_in_sorted_order() {
+        for doc in [
+            &br#"{ "b": 1, "a": [2, {"d":1,"c":2}] }"#[..],
+            br#"{"b":"\u00e9","a":1}"#,
+            br#"{"b":1,"a":1}"#,
+            br#"{"a":1,"b":1}"#,
+            br#"[{"b":1,"a":1}]"#,
+        ] {
+            let text = canonical_json(doc, &[]).unwrap();
+            let digest: [u8; 32] = Sha256::digest(&text).into();
+            assert_eq!(canonical_json_digest(doc), Some(digest), "{text:?}");
+        }
+        let left_unsorted = with_buffers(|b| {
+            assert!(canonicalise(
+                br#"{ "b": 1, "a": 2 }"#,
+                &[],
+                &mut b.out,
+                &mut b.work,
+                true
+            ));
+            (b.out.clone(), b.work.top.clone())
+        });
+        assert_eq!(
+            left_unsorted,
+            (br#"{"b":1,"a":2}"#.to_vec(), vec![(7, 12), (1, 6)])
+        );
+    }
+
+    #[test]
     fn deep_nesting_is_canonicalised_without_recursion() {
         let n = 100_000;
         let deep = format!("{}1{}", "[{\"b\":0, \"a\":".repeat(n), "}]".repeat(n));
@@ -2652,6 +2739,26 @@ mod tests {
             let never = [JsonPointer::parse("/no key is this long").unwrap()];
             let general = canonical_json(doc.as_bytes(), &never);
             prop_assert_eq!(canonical_json(doc.as_bytes(), &[]), general, "{}", doc);
+        }
+
+        #[test]
+        fn the_digest_hashes_the_canonical_text(j in json(), seed in any::<u64>()) {
+            // The digest hashes an outermost object's members in order without sorting their
+            // bytes: it must hash exactly the text `canonical_json` writes, in both loops.
+            let doc = spell(&j, seed);
+            let text = canonical_json(doc.as_bytes(), &[]);
+            let want = text.as_deref().map(|t| <[u8; 32]>::from(Sha256::digest(t)));
+            prop_assert_eq!(canonical_json_digest(doc.as_bytes()), want, "{}", doc);
+            let never = [JsonPointer::parse("/no key is this long").unwrap()];
+            let mut h = Sha256::new();
+            with_buffers(|b| {
+                if canonicalise(doc.as_bytes(), &never, &mut b.out, &mut b.work, true) {
+                    hash_canonical(&mut h, &b.out, &b.work.top);
+                }
+            });
+            if let Some(t) = &text {
+                prop_assert_eq!(<[u8; 32]>::from(h.finalize()), <[u8; 32]>::from(Sha256::digest(t)));
+            }
         }
 
         #[test]
