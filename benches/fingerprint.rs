@@ -31,8 +31,8 @@ fn order_json(n: usize) -> Vec<u8> {
     .into_bytes()
 }
 
-/// `FINGERPRINT_COUNT=<items> <bench binary>`: canonicalise and hash that order 100 times and
-/// exit, without criterion: a fixed workload for `valgrind --tool=callgrind`, whose instruction
+/// `FINGERPRINT_COUNT=<items> <bench binary>`: canonicalise and hash that order 100 times
+/// (`FINGERPRINT_ROUNDS` to change) and exit, without criterion: a fixed workload for `valgrind --tool=callgrind`, whose instruction
 /// counts do not move with the machine's load (see BENCHMARKS.md).
 fn count_only() -> bool {
     let Some(items) = std::env::var("FINGERPRINT_COUNT")
@@ -42,7 +42,11 @@ fn count_only() -> bool {
         return false;
     };
     let body = order_json(items);
-    for _ in 0..100 {
+    let rounds = std::env::var("FINGERPRINT_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(100);
+    for _ in 0..rounds {
         assert!(tower_idempotency::__bench::canonical_json_digest(black_box(&body)).is_some());
     }
     true
