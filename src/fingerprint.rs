@@ -1129,23 +1129,31 @@ impl Canon<'_, '_> {
             self.pending = (close + 1, close + 1);
             return Some(());
         }
+        // The members take as many bytes sorted as unsorted: overwrite them in place, from
+        // the input or from a copy, each with a few fixed-size moves rather than a `memcpy`
+        // call.
         let (src, delta) = if in_input {
-            // Write the members straight from the input.
+            self.out
+                .extend_from_slice(&self.s[body.wrapping_add(delta)..close]);
             (self.s, delta)
         } else {
             self.scratch.clear();
             self.scratch.extend_from_slice(&self.out[body..]);
-            self.out.truncate(body);
             (&self.scratch[..], body.wrapping_neg())
         };
+        let dst = self.out.get_mut(body..)?;
+        let mut w = 0;
         for k in 0..n {
             if k > 0 {
-                self.out.push(b',');
+                *dst.get_mut(w)? = b',';
+                w += 1;
             }
             let m = nth(k);
-            self.out
-                .extend_from_slice(&src[m.key.wrapping_add(delta)..m.end.wrapping_add(delta)]);
+            let bytes = &src[m.key.wrapping_add(delta)..m.end.wrapping_add(delta)];
+            copy_short(dst.get_mut(w..w + bytes.len())?, bytes);
+            w += bytes.len();
         }
+        debug_assert_eq!(w, dst.len());
         self.members.truncate(base);
         self.out.push(b'}');
         self.pending = (close + 1, close + 1);
@@ -1355,6 +1363,34 @@ fn plain_end(s: &[u8], mut i: usize) -> usize {
         i += 1;
     }
     i
+}
+
+/// `dst.copy_from_slice(src)` in one or two fixed-size moves when short (members are mostly
+/// under 32 bytes), where `copy_from_slice` would call `memcpy`.
+#[inline(always)]
+fn copy_short(dst: &mut [u8], src: &[u8]) {
+    let n = src.len();
+    match n {
+        _ if dst.len() != n => {}
+        16..=32 => {
+            dst[..16].copy_from_slice(&src[..16]);
+            dst[n - 16..].copy_from_slice(&src[n - 16..]);
+        }
+        8..=15 => {
+            dst[..8].copy_from_slice(&src[..8]);
+            dst[n - 8..].copy_from_slice(&src[n - 8..]);
+        }
+        4..=7 => {
+            dst[..4].copy_from_slice(&src[..4]);
+            dst[n - 4..].copy_from_slice(&src[n - 4..]);
+        }
+        0..=3 => {
+            for (d, s) in dst.iter_mut().zip(src) {
+                *d = *s;
+            }
+        }
+        _ => dst.copy_from_slice(src),
+    }
 }
 
 #[inline]
