@@ -797,8 +797,9 @@ impl Canon<'_, '_> {
                         || content.iter().all(|&b| b < 0xF0);
                     i = end + 1;
                 } else {
+                    emit!(i, end);
                     call!({
-                        let r = self.string();
+                        let r = self.string_rest(end);
                         self.flush();
                         r
                     })?;
@@ -826,7 +827,8 @@ impl Canon<'_, '_> {
                         emit!(i, end + 1);
                         i = end + 1;
                     } else {
-                        call!(self.string())?;
+                        emit!(i, end);
+                        call!(self.string_rest(end))?;
                     }
                 }
                 b @ (b'{' | b'[') => {
@@ -1241,14 +1243,25 @@ impl Canon<'_, '_> {
             }
             _ => u32::from(unit),
         };
-        let c = char::from_u32(cp)?;
-        match c {
-            '"' | '\\' | '\0'..='\x1f' => escape_char(c as u8, self.out()),
-            _ => {
-                let mut buf = [0; 4];
-                self.out()
-                    .extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
+        let out = self.out();
+        // UTF-8 by hand: `encode_utf8` and a slice copy cost a call each.
+        match cp {
+            0x22 | 0x5c | 0..=0x1f => escape_char(cp as u8, out),
+            0..=0x7f => out.push(cp as u8),
+            0x80..=0x7ff => {
+                out.extend_from_slice(&[0xc0 | (cp >> 6) as u8, 0x80 | (cp & 0x3f) as u8])
             }
+            0x800..=0xffff => out.extend_from_slice(&[
+                0xe0 | (cp >> 12) as u8,
+                0x80 | (cp >> 6 & 0x3f) as u8,
+                0x80 | (cp & 0x3f) as u8,
+            ]),
+            _ => out.extend_from_slice(&[
+                0xf0 | (cp >> 18) as u8,
+                0x80 | (cp >> 12 & 0x3f) as u8,
+                0x80 | (cp >> 6 & 0x3f) as u8,
+                0x80 | (cp & 0x3f) as u8,
+            ]),
         }
         Some(end)
     }
