@@ -529,16 +529,13 @@ struct Frame {
     item_active: usize,
 }
 
-/// An open array or object in [`Canon::run_plain`]: where its bracket is in the output, where
-/// its members start in `Canon::members`, and for an object the current member's key.
+/// An open array or object in [`Canon::run_plain`]: where its bracket is in the output and
+/// where its members start in `Canon::members` (the last of them is the current one, its
+/// `end` set when its value is complete).
 struct Open {
     object: bool,
     start: usize,
     members: usize,
-    key: usize,
-    colon: usize,
-    simple: bool,
-    prefix: u64,
 }
 
 /// One written member of an open object: `out[key..end]` is `"key":value`; the key's
@@ -814,8 +811,13 @@ impl Canon<'_, '_> {
                 }
                 emit!(i, i + 1);
                 i += 1;
-                let f = open.last_mut()?;
-                (f.key, f.colon, f.simple, f.prefix) = (key, colon, simple, prefix);
+                self.members.push(Member {
+                    key,
+                    colon,
+                    end: 0,
+                    simple,
+                    prefix,
+                });
             }};
         }
         'value: loop {
@@ -846,10 +848,6 @@ impl Canon<'_, '_> {
                             object,
                             start,
                             members: self.members.len(),
-                            key: 0,
-                            colon: 0,
-                            simple: true,
-                            prefix: 0,
                         });
                         if object {
                             key!();
@@ -910,13 +908,8 @@ impl Canon<'_, '_> {
                     break 'value;
                 };
                 if f.object {
-                    self.members.push(Member {
-                        key: f.key,
-                        colon: f.colon,
-                        end: pos!(),
-                        simple: f.simple,
-                        prefix: f.prefix,
-                    });
+                    let end = pos!();
+                    self.members.last_mut()?.end = end;
                     ws!();
                     match s.get(i) {
                         Some(b',') => {
