@@ -856,16 +856,14 @@ impl Canon<'_, '_> {
                     }
                 }
                 b't' | b'f' | b'n' => {
-                    let lit: &[u8] = match s[i] {
-                        b't' => b"true",
-                        b'f' => b"false",
-                        _ => b"null",
+                    // Fixed-length comparisons: a 4-byte load each, not a `memcmp` call.
+                    let len = match s.get(i..i + 4) {
+                        Some(b"true" | b"null") => 4,
+                        Some(b"fals") if s.get(i + 4) == Some(&b'e') => 5,
+                        _ => return None,
                     };
-                    if !s[i..].starts_with(lit) {
-                        return None;
-                    }
-                    emit!(i, i + lit.len());
-                    i += lit.len();
+                    emit!(i, i + len);
+                    i += len;
                 }
                 b'-' | b'0'..=b'9' => {
                     // Fast path: an integer of 1 to 15 digits, not `-0`, as written.
