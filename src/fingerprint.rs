@@ -2064,6 +2064,22 @@ mod tests {
     }
 
     #[test]
+    fn copy_short_copies_every_length_across_its_move_sizes() {
+        let src: Vec<u8> = (1..=80).collect();
+        for n in 0..=80 {
+            for offset in 0..3 {
+                let mut dst = vec![0; n + 6];
+                copy_short(&mut dst[offset..offset + n], &src[..n]);
+                assert_eq!(&dst[offset..offset + n], &src[..n], "length {n}");
+                assert!(dst[..offset]
+                    .iter()
+                    .chain(&dst[offset + n..])
+                    .all(|&b| b == 0));
+            }
+        }
+    }
+
+    #[test]
     fn an_unsorted_outermost_object_is_hashed_in_sorted_order() {
         for doc in [
             &br#"{ "b": 1, "a": [2, {"d":1,"c":2}] }"#[..],
@@ -2804,6 +2820,7 @@ mod tests {
         #[test]
         fn no_input_panics(bytes in prop::collection::vec(any::<u8>(), 0..64)) {
             let _ = canonical_json(&bytes, &[]);
+            let _ = canonical_json_digest(&bytes);
             let _ = canonical_form(&bytes);
         }
 
@@ -2813,8 +2830,10 @@ mod tests {
             let pointers = [JsonPointer::parse("/a").unwrap(), JsonPointer::parse("/0/a").unwrap()];
             let plain = canonical_json(doc.as_bytes(), &[]);
             let never = [JsonPointer::parse("/no key is this long").unwrap()];
-            prop_assert_eq!(plain, canonical_json(doc.as_bytes(), &never), "{}", doc);
+            prop_assert_eq!(&plain, &canonical_json(doc.as_bytes(), &never), "{}", doc);
             let _ = canonical_json(doc.as_bytes(), &pointers);
+            let want = plain.as_deref().map(|t| <[u8; 32]>::from(Sha256::digest(t)));
+            prop_assert_eq!(canonical_json_digest(doc.as_bytes()), want, "{}", doc);
         }
     }
 
