@@ -32,7 +32,9 @@
 //! keeps the last of duplicate keys and, without its global `arbitrary_precision` feature,
 //! loses number literals. Documents without excluded fields take a leaner loop
 //! ([`Canon::run_plain`]) than those with ([`Canon::run`]); a property test holds them to the
-//! same output.
+//! same output. The fingerprint hashes an unsorted outermost object's members in sorted order
+//! where they lie ([`hash_canonical`]) instead of moving the whole body into order: the same
+//! bytes reach SHA-256, and a property test holds the digest to the canonical text.
 
 use std::cell::RefCell;
 use std::cmp::Ordering;
