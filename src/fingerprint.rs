@@ -476,6 +476,13 @@ pub(crate) fn canonical_json_digest(body: &[u8]) -> Option<[u8; 32]> {
     })
 }
 
+/// The smallest outermost object (in bytes) that [`hash_canonical`] hashes in place. Tests
+/// use a small one, so that the property tests' documents take both ways.
+#[cfg(not(test))]
+const DEFER_TOP_MIN: usize = 4096;
+#[cfg(test)]
+const DEFER_TOP_MIN: usize = 16;
+
 /// An excluded field's path, each token in the form its key takes in the output.
 struct Pointer {
     keys: Vec<Vec<u8>>,
@@ -1111,7 +1118,10 @@ impl Canon<'_, '_> {
                 members[k]
             }
         };
-        if let (false, true, Some(order)) = (in_input, top, self.top.as_mut()) {
+        // Past a few KiB, hashing the members in order where they lie beats moving them
+        // twice; below, the extra SHA-256 calls cost more than the copies.
+        let large = self.out.len() - body >= DEFER_TOP_MIN;
+        if let (false, true, true, Some(order)) = (in_input, top, large, self.top.as_mut()) {
             // The outermost object, already in `out`: leave its bytes where they are and
             // record the order to hash them in.
             order.clear();
@@ -2094,9 +2104,13 @@ mod tests {
             let digest: [u8; 32] = Sha256::digest(&text).into();
             assert_eq!(canonical_json_digest(doc), Some(digest), "{text:?}");
         }
+        let long = "x".repeat(DEFER_TOP_MIN);
+        let doc = format!(r#"{{ "b": "{long}", "a": 2 }}"#);
+        let text = canonical_json(doc.as_bytes(), &[]).unwrap();
+        assert_eq!(text, format!(r#"{{"a":2,"b":"{long}"}}"#).into_bytes());
         let left_unsorted = with_buffers(|b| {
             assert!(canonicalise(
-                br#"{ "b": 1, "a": 2 }"#,
+                doc.as_bytes(),
                 &[],
                 &mut b.out,
                 &mut b.work,
@@ -2104,10 +2118,26 @@ mod tests {
             ));
             (b.out.clone(), b.work.top.clone())
         });
+        let b_end = 7 + long.len();
+        let unsorted = format!(r#"{{"b":"{long}","a":2}}"#).into_bytes();
         assert_eq!(
             left_unsorted,
-            (br#"{"b":1,"a":2}"#.to_vec(), vec![(7, 12), (1, 6)])
+            (unsorted, vec![(b_end + 1, b_end + 6), (1, b_end)])
         );
+        let digest: [u8; 32] = Sha256::digest(&text).into();
+        assert_eq!(canonical_json_digest(doc.as_bytes()), Some(digest));
+        // Small objects are sorted in `out` as before.
+        let small = with_buffers(|b| {
+            assert!(canonicalise(
+                br#"{ "b": 1, "a": 2 }"#,
+                &[],
+                &mut b.out,
+                &mut b.work,
+                true
+            ));
+            (b.out.clone(), b.work.top.is_empty())
+        });
+        assert_eq!(small, (br#"{"a":2,"b":1}"#.to_vec(), true));
     }
 
     #[test]
