@@ -31,7 +31,41 @@ fn order_json(n: usize) -> Vec<u8> {
     .into_bytes()
 }
 
+/// `FINGERPRINT_COUNT=<items> <bench binary>`: canonicalise and hash that order 100 times
+/// (`FINGERPRINT_ROUNDS` to change) and exit, without criterion: a fixed workload for `valgrind --tool=callgrind`, whose instruction
+/// counts do not move with the machine's load (see BENCHMARKS.md).
+fn count_only() -> bool {
+    let Some(items) = std::env::var("FINGERPRINT_COUNT")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    else {
+        return false;
+    };
+    let body = order_json(items);
+    let rounds = std::env::var("FINGERPRINT_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(100);
+    // `FINGERPRINT_CASE=sha256_raw` or `serde_json_value` runs a baseline the same way, so that
+    // CPU times (`perf stat -e task-clock`) compare when wall-clock figures are too noisy.
+    match std::env::var("FINGERPRINT_CASE").as_deref() {
+        Ok("sha256_raw") => (0..rounds).for_each(|_| {
+            black_box(Sha256::digest(black_box(&body)));
+        }),
+        Ok("serde_json_value") => (0..rounds).for_each(|_| {
+            black_box(serde_json::from_slice::<serde_json::Value>(black_box(&body)).unwrap());
+        }),
+        _ => (0..rounds).for_each(|_| {
+            assert!(tower_idempotency::__bench::canonical_json_digest(black_box(&body)).is_some());
+        }),
+    }
+    true
+}
+
 fn fingerprint(c: &mut Criterion) {
+    if count_only() {
+        return;
+    }
     // Item counts for bodies of about 200 B, 1 KiB, 64 KiB and 1 MiB.
     for (label, items) in [("200B", 1), ("1KiB", 6), ("64KiB", 400), ("1MiB", 6400)] {
         let body = order_json(items);
