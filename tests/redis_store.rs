@@ -64,6 +64,35 @@ conformance_suite! {
     admin: async { Some(Arc::new(shared_store().await?) as conformance::DynAdminStore) },
 }
 
+/// The same contract with quotas set (too large to refuse anything): every record then lives
+/// in its scope group's layout, `<prefix>{<scope tag>}<rest>`.
+mod with_quotas {
+    use super::*;
+
+    fn quotas(
+        builder: tower_idempotency::store::redis::RedisStoreBuilder,
+    ) -> tower_idempotency::store::redis::RedisStoreBuilder {
+        builder
+            .with_max_records_per_scope(NonZeroUsize::new(1_000_000).unwrap())
+            .with_max_bytes_per_scope(NonZeroUsize::new(1 << 40).unwrap())
+    }
+
+    async fn store() -> Option<RedisStore> {
+        let url = common::backend_url("IDEMPOTENCY_TEST_REDIS_URL")?;
+        Some(quotas(RedisStore::builder()).connect(&url).await.unwrap())
+    }
+
+    conformance_suite! {
+        store: async { Some(Arc::new(store().await?) as DynStore) },
+        full: async {
+            let server = tiny_server()?;
+            let store = quotas(RedisStore::builder()).connect(&server.url()).await.unwrap();
+            Some(Arc::new(WithServer { store, server }) as DynStore)
+        },
+        admin: async { Some(Arc::new(store().await?) as conformance::DynAdminStore) },
+    }
+}
+
 #[tokio::test]
 async fn records_are_one_string_per_key_with_a_ttl_under_the_prefix() {
     let Some(url) = common::backend_url("IDEMPOTENCY_TEST_REDIS_URL") else {
@@ -837,6 +866,14 @@ async fn quota_store(records: Option<usize>, bytes: Option<usize>) -> Option<(Re
     Some((builder.connect(&url).await.unwrap(), url))
 }
 
+/// With quotas, the key of `id`'s scope group: its records (`'s'`) or its counts (`'b'`).
+fn group_key(store: &RedisStore, id: &RecordId, which: char) -> String {
+    let key = store.key(id);
+    let (head, rest) = key.split_once('}').unwrap();
+    assert_eq!(rest.len(), 56, "a grouped record key: {key}");
+    format!("{head}}}{which}")
+}
+
 async fn claim_in(
     store: &RedisStore,
     scope: &ScopeId,
@@ -941,11 +978,9 @@ async fn the_byte_quota_counts_recorded_answers() {
         .get_multiplexed_async_connection()
         .await
         .unwrap();
-    let prefix = store.key(&in_a("k1"));
-    let prefix = prefix.split('{').next().unwrap().to_owned();
     let total: u64 = redis::cmd("HGET")
-        .arg(format!("{prefix}b:{}", a.to_hex()))
-        .arg("t")
+        .arg(group_key(&store, &in_a("k1"), 'b'))
+        .arg(format!("t{}", a.to_hex()))
         .query_async(&mut con)
         .await
         .unwrap();
@@ -974,18 +1009,26 @@ async fn without_quotas_a_scoped_claim_touches_only_its_record() {
         .unwrap();
     let key = store.key(&in_a("k0"));
     let prefix = key.split('{').next().unwrap();
+    assert_eq!(
+        key,
+        format!("{prefix}{{{}}}", in_a("k0").to_hex()),
+        "the plain layout"
+    );
     let value: Vec<u8> = redis::cmd("GET")
         .arg(&key)
         .query_async(&mut con)
         .await
         .unwrap();
     assert_eq!(&value[..2], b"2p", "an uncounted record");
-    let scope_keys: Vec<String> = redis::cmd("KEYS")
-        .arg(format!("{prefix}[sb]:*"))
+    let mut keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}*"))
         .query_async(&mut con)
         .await
         .unwrap();
-    assert!(scope_keys.is_empty(), "{scope_keys:?}");
+    keys.sort();
+    let mut records: Vec<String> = (0..5).map(|i| store.key(&in_a(&format!("k{i}")))).collect();
+    records.sort();
+    assert_eq!(keys, records, "the records and nothing else");
 }
 
 #[tokio::test]
@@ -1051,13 +1094,19 @@ async fn a_counted_record_is_taken_over_renewed_and_completed_once_in_its_scope(
         .await
         .unwrap();
     let key = store.key(&id);
-    let prefix = key.split('{').next().unwrap();
     let counted: u64 = redis::cmd("ZCARD")
-        .arg(format!("{prefix}s:{}", a.to_hex()))
+        .arg(group_key(&store, &id, 's'))
         .query_async(&mut con)
         .await
         .unwrap();
     assert_eq!(counted, 1, "one record, counted once through the takeover");
+    let count: u64 = redis::cmd("HGET")
+        .arg(group_key(&store, &id, 'b'))
+        .arg(format!("n{}", a.to_hex()))
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert_eq!(count, 1, "and in the scope's count");
     let value: Vec<u8> = redis::cmd("GET")
         .arg(&key)
         .query_async(&mut con)

@@ -35,8 +35,6 @@ pub enum SetupError {
     },
     /// The key prefix contains `{` or `}`, which would change the cluster hash tag.
     KeyPrefix(String),
-    /// Per-scope quotas were asked for on a Redis Cluster, where they are not supported.
-    QuotasOnCluster,
 }
 
 impl fmt::Display for SetupError {
@@ -71,11 +69,6 @@ impl fmt::Display for SetupError {
                 f,
                 "idempotency key prefix {p:?} contains a brace; braces would change the Redis \
                  Cluster hash tag"
-            ),
-            SetupError::QuotasOnCluster => f.write_str(
-                "per-scope quotas (with_max_records_per_scope, with_max_bytes_per_scope) are not \
-                 supported on Redis Cluster: a scope's records spread over every slot, so no \
-                 script can count them atomically; use a single primary for quotas",
             ),
         }
     }
@@ -275,9 +268,6 @@ impl RedisStoreBuilder {
     ) -> Result<RedisStore, SetupError> {
         if self.prefix.contains(['{', '}']) {
             return Err(SetupError::KeyPrefix(self.prefix));
-        }
-        if self.quotas.any() && matches!(conn, RedisConnection::Cluster(_)) {
-            return Err(SetupError::QuotasOnCluster);
         }
         if self.eviction_guard {
             check_eviction_policy(&conn).await?;
