@@ -96,8 +96,9 @@
 //!
 //! # Redis Cluster
 //!
-//! All of a record is one string, and its key carries the record id as a hash tag, so every
-//! script touches one slot and the store runs unchanged on a cluster. Each call, with the
+//! All of a record is one string, and its key carries the record id as a hash tag (with
+//! quotas, its scope's tag), so every script touches one slot and the store runs unchanged on
+//! a cluster. Each call, with the
 //! commands pipelined after it, goes to the slot's primary; a `NOSCRIPT` answer (a fresh node
 //! after a failover, `SCRIPT FLUSH`) loads the script on that node and sends the call again
 //! (the refused call wrote nothing), for a single node and for a cluster alike. The scripts are
@@ -112,17 +113,36 @@
 //!
 //! [`with_max_records_per_scope`](RedisStoreBuilder::with_max_records_per_scope) and
 //! [`with_max_bytes_per_scope`](RedisStoreBuilder::with_max_bytes_per_scope) cap what one
-//! scope (tenant) may hold, so one tenant cannot fill Redis for the others. The claim script
-//! counts and admits in the same call as the claim: the scope's records sit in a sorted set
-//! by expiry (`<prefix>s:<scope hex>`), their sizes in a hash (`<prefix>b:<scope hex>`), and
-//! expired ones are dropped by Redis's clock as claims come. A refused claim writes nothing
-//! and fails with [`StoreErrorKind::QuotaExceeded`];
-//! existing records still replay. A counted record carries its scope (format `3`), so
-//! `complete` adds the answer's bytes and `release` gives the record back. Without a quota
-//! none of this runs. Quotas need one primary: on a cluster the scope's records spread over
-//! every slot, and the record key cannot carry the scope as its hash tag because `complete`
-//! and `get` know only the record id, so [`connect_cluster`](RedisStoreBuilder::connect_cluster)
-//! refuses them ([`SetupError::QuotasOnCluster`]).
+//! scope (tenant) may hold, so one tenant cannot fill Redis for the others, on one node and on
+//! a cluster alike. The claim script counts and admits in the same call as the claim. A
+//! refused claim writes nothing and fails with [`StoreErrorKind::QuotaExceeded`]; existing
+//! records still replay. A counted record carries its scope (format `3`), so `complete` adds
+//! the answer's bytes and `release` (and the operator's removals) give the record back.
+//! Without a quota none of this runs.
+//!
+//! `complete`, `extend`, `release` and `get` receive only the record id, so the scope's keys
+//! must be found from it: every record id begins with its scope id's first
+//! [`RecordId::SCOPE_PREFIX`] bytes, and with quotas those bytes, in hex, are the hash tag of
+//! the record key and of its **scope group**'s two keys (the scopes whose ids share those 4
+//! bytes):
+//!
+//! - `<prefix>{<tag>}s`, a sorted set of the group's records by expiry (member: scope id hex
+//!   then record id hex), whose expired members are dropped by Redis's clock as claims come;
+//! - `<prefix>{<tag>}b`, a hash of each member's stored size and, per scope, its record
+//!   count (`n<scope hex>`) and bytes (`t<scope hex>`).
+//!
+//! Each scope is counted on its own, by its full id, so two scopes that share a tag never
+//! share a quota; they only share a slot. Every script names all three keys in `KEYS`, so each
+//! call stays one atomic script on one node, in one round trip, with its `WAIT` after it.
+//!
+//! The price, on a cluster: **a scope lives on one node.** All of a tenant's records and
+//! counts are in one slot, so a hot tenant is one node's load (and memory) however many
+//! primaries there are; tenants still spread over the slots by their tags. Without quotas
+//! every record is its own hash tag and one tenant's records spread over the whole cluster.
+//! Records claimed without a scope ([`IdempotencyStore::claim`]) share one tag, that of the
+//! unscoped space. Turning quotas on or off changes the key layout: records written under the
+//! other setting are not found (a retry within their TTL runs again), so switch when a lost
+//! TTL's worth of records is acceptable, or drain first.
 //!
 //! # Requirements
 //!
@@ -133,8 +153,10 @@
 //! # Key layout and record format
 //!
 //! One string per record, at `<prefix>{<id>}`: the prefix (default `idem:`) and the record id
-//! in lowercase hex, 64 characters, inside braces so it is the cluster hash tag. The prefix
-//! must not contain braces. The value is an 82-byte header (format, state, fingerprint, nonce,
+//! in lowercase hex, 64 characters, inside braces so it is the cluster hash tag. With
+//! per-scope quotas the braces hold only the first 8 hex characters (the scope's tag, see
+//! [per-scope quotas](#per-scope-quotas)): `<prefix>{<8 hex>}<56 hex>`. The prefix must not
+//! contain braces. The value is an 82-byte header (format, state, fingerprint, nonce,
 //! generation, lease deadline, at fixed offsets, so the scripts read and rewrite fields with
 //! `GETRANGE` and `SETRANGE` and never copy the answer) followed, once completed, by the
 //! answer as [`Completion::encode`] bytes. Records in the earlier format (one hash each) read
