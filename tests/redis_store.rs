@@ -276,20 +276,8 @@ async fn eviction_guard_falls_back_to_info_when_config_is_renamed() {
     claim_token(&store, &unique_id("info")).await;
 }
 
-#[tokio::test]
-async fn full_redis_refuses_new_claims_and_still_replays_old_records() {
-    let Some(server) = tiny_server() else { return };
-    let store = RedisStore::connect(&server.url()).await.unwrap();
-    let old = unique_id("old");
-    let token = claim_token(&store, &old).await;
-    store
-        .complete(&old, &token, &response(201, "kept"), TTL)
-        .await
-        .unwrap();
-    let pending = unique_id("pending");
-    let pending_token = claim_token(&store, &pending).await;
-
-    // Fill Redis behind the store's back until it refuses writes.
+/// Fills `server` behind the store's back until it refuses writes, and keeps it full.
+async fn fill_up(server: &RedisServer) {
     let mut con = admin(&server).await;
     let filler = vec![b'x'; 4 * 1024];
     let mut refused = None;
@@ -325,6 +313,22 @@ async fn full_redis_refuses_new_claims_and_still_replays_old_records() {
         .query_async(&mut con)
         .await
         .unwrap();
+}
+
+#[tokio::test]
+async fn full_redis_refuses_new_claims_and_still_replays_old_records() {
+    let Some(server) = tiny_server() else { return };
+    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let old = unique_id("old");
+    let token = claim_token(&store, &old).await;
+    store
+        .complete(&old, &token, &response(201, "kept"), TTL)
+        .await
+        .unwrap();
+    let pending = unique_id("pending");
+    let pending_token = claim_token(&store, &pending).await;
+
+    fill_up(&server).await;
 
     let new = unique_id("new");
     let err = store.claim(&new, &fp(1), LEASE, TTL).await.unwrap_err();
@@ -356,6 +360,74 @@ async fn full_redis_refuses_new_claims_and_still_replays_old_records() {
     assert_eq!(err.kind(), StoreErrorKind::Full, "{err:?}");
     store.release(&pending, &pending_token).await.unwrap();
     assert!(store.get(&pending).await.unwrap().is_none());
+}
+
+/// With quotas a full Redis still replays a scope's records and still releases; a claim that
+/// would first forget an expired record writes nothing. A release gives the scope its record
+/// back even then: Redis refuses only a script's first write, and the release's is a `DEL`.
+#[tokio::test]
+async fn a_full_redis_with_quotas_replays_and_releases_and_keeps_counts_whole() {
+    let Some(server) = tiny_server() else { return };
+    let store = RedisStore::builder()
+        .with_max_records_per_scope(NonZeroUsize::new(3).unwrap())
+        .with_max_bytes_per_scope(NonZeroUsize::new(1 << 20).unwrap())
+        .connect(&server.url())
+        .await
+        .unwrap();
+    let (a, in_a) = scoped("full");
+    let old = in_a("old");
+    let token = token_of(claim_in(&store, &a, &old).await.unwrap());
+    store
+        .complete(&old, &token, &response(201, "kept"), TTL)
+        .await
+        .unwrap();
+    let pending = in_a("pending");
+    let pending_token = token_of(claim_in(&store, &a, &pending).await.unwrap());
+    let short = Duration::from_millis(100);
+    let brief = in_a("brief");
+    token_of(
+        store
+            .claim_in_scope(&a, &brief, &fp(1), short, short)
+            .await
+            .unwrap(),
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while store.get(&brief).await.unwrap().is_some() {
+        assert!(Instant::now() < deadline, "the record never expired");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    fill_up(&server).await;
+
+    let err = claim_in(&store, &a, &in_a("new")).await.unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::Full, "{err:?}");
+    assert!(store.get(&in_a("new")).await.unwrap().is_none());
+    match claim_in(&store, &a, &old).await.unwrap() {
+        ClaimOutcome::Existing(r) => {
+            assert_eq!(r.state, RecordState::Completed(response(201, "kept")))
+        }
+        other @ ClaimOutcome::Claimed(_) => panic!("replay on a full Redis: {other:?}"),
+    }
+    let err = store
+        .complete(&pending, &pending_token, &response(200, "late"), TTL)
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::Full, "{err:?}");
+    store.release(&pending, &pending_token).await.unwrap();
+    assert!(store.get(&pending).await.unwrap().is_none());
+
+    // Room again: the expired record is forgotten now, the released one counted no more.
+    let mut con = admin(&server).await;
+    let () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory")
+        .arg(0)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    token_of(claim_in(&store, &a, &in_a("new")).await.unwrap());
+    token_of(claim_in(&store, &a, &in_a("newer")).await.unwrap());
+    let err = claim_in(&store, &a, &in_a("newest")).await.unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::QuotaExceeded, "{err:?}");
 }
 
 #[tokio::test]

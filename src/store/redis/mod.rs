@@ -895,6 +895,19 @@ mod tests {
         assert_ne!(record_key("a:", &id), record_key("b:", &id));
     }
 
+    #[test]
+    fn grouped_keys_carry_the_scope_tag_as_hash_tag() {
+        let id = RecordId::new(Some("tenant"), "k");
+        let other = RecordId::new(Some("tenant"), "k2");
+        let key = grouped_key(DEFAULT_KEY_PREFIX, &id);
+        let hex = id.to_hex();
+        assert_eq!(key, format!("idem:{{{}}}{}", &hex[..8], &hex[8..]));
+        let tag = scope_tag(&id);
+        assert_eq!(tag, ScopeId::new(Some("tenant")).to_hex()[..8]);
+        assert_eq!(tag, scope_tag(&other), "one tag for the scope's records");
+        assert_ne!(key, grouped_key(DEFAULT_KEY_PREFIX, &other));
+    }
+
     #[tokio::test]
     async fn equal_nonces_with_different_fingerprints_claim_once() {
         let Some(url) = crate::store::test_backend_url("IDEMPOTENCY_TEST_REDIS_URL") else {

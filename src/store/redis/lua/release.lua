@@ -8,8 +8,9 @@ if h == '' then return 1 end
 if string.sub(h, 35, 66) ~= ARGV[1] or string.sub(h, 2, 2) ~= 'p' then return 0 end
 redis.call('DEL', key)
 if string.sub(h, 1, 1) == '3' and #KEYS == 3 then
-  -- Give the scope its record back. Deletes work in a full Redis; the counts are writes it
-  -- refuses (pcall): then the member stays, counted until it expires and a claim prunes it.
+  -- Give the scope its record back. A full Redis refuses only a script's first write, and
+  -- this one's was the DEL; pcall all the same: were the count refused, the member would stay,
+  -- counted until it expires and a claim prunes it, never counted twice.
   local z, b, scope = KEYS[2], KEYS[3], string.sub(h, 83, 146)
   local member = scope .. ARGV[2]
   if redis.call('ZSCORE', z, member) then
