@@ -1,5 +1,6 @@
-//! `RedisStore` on a private three-primary Redis Cluster: the whole conformance suite, the
-//! eviction guard on every node, and NOSCRIPT recovery through the cluster client.
+//! `RedisStore` on a private three-primary Redis Cluster: the whole conformance suite (with and
+//! without per-scope quotas), the eviction guard on every node, NOSCRIPT recovery through the
+//! cluster client, `WAIT`, and per-scope quotas (each scope's keys in one slot).
 //!
 //! The cluster is started once per test binary and lives in a static; the harness's watchdogs
 //! stop its servers when the binary exits.

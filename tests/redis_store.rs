@@ -278,7 +278,7 @@ async fn eviction_guard_falls_back_to_info_when_config_is_renamed() {
 
 /// Fills `server` behind the store's back until it refuses writes, and keeps it full.
 async fn fill_up(server: &RedisServer) {
-    let mut con = admin(&server).await;
+    let mut con = admin(server).await;
     let filler = vec![b'x'; 4 * 1024];
     let mut refused = None;
     for i in 0..10_000 {

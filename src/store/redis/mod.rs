@@ -139,8 +139,9 @@
 //! counts are in one slot, so a hot tenant is one node's load (and memory) however many
 //! primaries there are; tenants still spread over the slots by their tags. Without quotas
 //! every record is its own hash tag and one tenant's records spread over the whole cluster.
-//! Records claimed without a scope ([`IdempotencyStore::claim`]) share one tag, that of the
-//! unscoped space. Turning quotas on or off changes the key layout: records written under the
+//! The unscoped space is one scope here too: an unscoped layer's records all share one tag
+//! (a record claimed with [`IdempotencyStore::claim`] rather than `claim_in_scope` is placed
+//! by its id but not counted). Turning quotas on or off changes the key layout: records written under the
 //! other setting are not found (a retry within their TTL runs again), so switch when a lost
 //! TTL's worth of records is acceptable, or drain first.
 //!
