@@ -1026,6 +1026,52 @@ async fn expired_records_leave_the_scope_by_redis_clock() {
 }
 
 #[tokio::test]
+async fn an_expired_record_leaves_its_scopes_counts_when_a_claim_prunes_it() {
+    let Some((store, url)) = quota_store(Some(10), Some(10_000)).await else {
+        return;
+    };
+    let (a, in_a) = scoped("pruned");
+    let short = Duration::from_millis(100);
+    let old = in_a("k1");
+    token_of(
+        store
+            .claim_in_scope(&a, &old, &fp(1), short, short)
+            .await
+            .unwrap(),
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while store.get(&old).await.unwrap().is_some() {
+        assert!(Instant::now() < deadline, "the record never expired");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    token_of(claim_in(&store, &a, &in_a("k2")).await.unwrap());
+    let mut con = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let (count, bytes, old_size): (u64, u64, Option<u64>) = redis::cmd("HMGET")
+        .arg(group_key(&store, &old, 'b'))
+        .arg(format!("n{}", a.to_hex()))
+        .arg(format!("t{}", a.to_hex()))
+        .arg(old.to_hex())
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert_eq!(
+        (count, bytes, old_size),
+        (1, 146, None),
+        "only the new record counts"
+    );
+    let members: u64 = redis::cmd("ZCARD")
+        .arg(group_key(&store, &old, 's'))
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert_eq!(members, 1);
+}
+
+#[tokio::test]
 async fn the_byte_quota_counts_recorded_answers() {
     // One record in progress is 146 bytes (header and scope); a 600-byte answer puts the
     // scope over a 700-byte budget.

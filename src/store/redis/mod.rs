@@ -128,8 +128,8 @@
 //!
 //! - `<prefix>{<tag>}s`, a sorted set of the group's records by expiry (member: scope id hex
 //!   then record id hex), whose expired members are dropped by Redis's clock as claims come;
-//! - `<prefix>{<tag>}b`, a hash of each member's stored size and, per scope, its record
-//!   count (`n<scope hex>`) and bytes (`t<scope hex>`).
+//! - `<prefix>{<tag>}b`, a hash of each record's stored size (by record id hex) and, per
+//!   scope, its record count (`n<scope hex>`) and bytes (`t<scope hex>`).
 //!
 //! Each scope is counted on its own, by its full id, so two scopes that share a tag never
 //! share a quota; they only share a slot. Every script names all three keys in `KEYS`, so each

@@ -1,6 +1,7 @@
 -- Claims a record, or says what is there. KEYS[1] record; with quotas also KEYS[2] the
 -- scope group's records (a sorted set: scope hex .. record id hex, by expiry ms) and KEYS[3]
--- its counts (a hash: each member's size, 'n' .. scope its records, 't' .. scope its bytes).
+-- its counts (a hash: each record id hex to its size, 'n' .. scope its records, 't' .. scope
+-- its bytes).
 -- All three share the record's hash tag: a group is every scope whose id starts with the same
 -- 4 bytes, and each scope is still counted on its own.
 -- ARGV[1] the new record's first 66 bytes: format, 'p', fingerprint, nonce, generation 1 (see
@@ -34,7 +35,9 @@ if h == '' then
   -- counts go first: they are the writes a full Redis refuses, and then nothing has changed.
   local gone = redis.call('ZRANGEBYSCORE', z, '-inf', string.format('%.0f', now), 'LIMIT', 0, 500)
   if #gone > 0 then
-    local sizes = redis.call('HMGET', b, unpack(gone))
+    local ids = {}
+    for i = 1, #gone do ids[i] = string.sub(gone[i], 65) end
+    local sizes = redis.call('HMGET', b, unpack(ids))
     local n, bytes = {}, {}
     for i = 1, #gone do
       local s = string.sub(gone[i], 1, 64)
@@ -45,7 +48,7 @@ if h == '' then
       redis.call('HINCRBY', b, 'n' .. s, -c)
       redis.call('HINCRBY', b, 't' .. s, -bytes[s])
     end
-    redis.call('HDEL', b, unpack(gone))
+    redis.call('HDEL', b, unpack(ids))
     redis.call('ZREM', z, unpack(gone))
   end
   local counts = redis.call('HMGET', b, 'n' .. scope, 't' .. scope)
@@ -56,7 +59,7 @@ if h == '' then
   redis.call('SET', key, value, 'PX', ARGV[3])
   local member, keep = scope .. ARGV[7], tonumber(ARGV[3])
   redis.call('ZADD', z, string.format('%.0f', now + keep), member)
-  redis.call('HSET', b, member, #value)
+  redis.call('HSET', b, ARGV[7], #value)
   redis.call('HINCRBY', b, 'n' .. scope, 1)
   redis.call('HINCRBY', b, 't' .. scope, #value)
   if redis.call('PTTL', z) < keep then redis.call('PEXPIRE', z, ARGV[3]) end

@@ -26,8 +26,8 @@ if format == '3' and #KEYS == 3 then
     redis.call('HINCRBY', b, 'n' .. scope, 1)
   end
   local size = #h + #ARGV[2]
-  local old = tonumber(redis.call('HGET', b, member)) or 0
-  redis.call('HSET', b, member, size)
+  local old = tonumber(redis.call('HGET', b, ARGV[4])) or 0
+  redis.call('HSET', b, ARGV[4], size)
   redis.call('HINCRBY', b, 't' .. scope, size - old)
   if redis.call('PTTL', z) < ttl then redis.call('PEXPIRE', z, ARGV[3]) end
   if redis.call('PTTL', b) < ttl then redis.call('PEXPIRE', b, ARGV[3]) end

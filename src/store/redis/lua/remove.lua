@@ -13,9 +13,9 @@ if string.sub(h, 1, 1) == '3' and #KEYS == 3 then
   local member = scope .. ARGV[2]
   if redis.call('ZSCORE', z, member) then
     if type(redis.pcall('HINCRBY', b, 'n' .. scope, -1)) == 'number' then
-      local size = tonumber(redis.call('HGET', b, member)) or 0
+      local size = tonumber(redis.call('HGET', b, ARGV[2])) or 0
       redis.call('HINCRBY', b, 't' .. scope, -size)
-      redis.call('HDEL', b, member)
+      redis.call('HDEL', b, ARGV[2])
       redis.call('ZREM', z, member)
     end
   end
