@@ -64,6 +64,35 @@ conformance_suite! {
     admin: async { Some(Arc::new(shared_store().await?) as conformance::DynAdminStore) },
 }
 
+/// The same contract with quotas set (too large to refuse anything): every record then lives
+/// in its scope group's layout, `<prefix>{<scope tag>}<rest>`.
+mod with_quotas {
+    use super::*;
+
+    fn quotas(
+        builder: tower_idempotency::store::redis::RedisStoreBuilder,
+    ) -> tower_idempotency::store::redis::RedisStoreBuilder {
+        builder
+            .with_max_records_per_scope(NonZeroUsize::new(1_000_000).unwrap())
+            .with_max_bytes_per_scope(NonZeroUsize::new(1 << 40).unwrap())
+    }
+
+    async fn store() -> Option<RedisStore> {
+        let url = common::backend_url("IDEMPOTENCY_TEST_REDIS_URL")?;
+        Some(quotas(RedisStore::builder()).connect(&url).await.unwrap())
+    }
+
+    conformance_suite! {
+        store: async { Some(Arc::new(store().await?) as DynStore) },
+        full: async {
+            let server = tiny_server()?;
+            let store = quotas(RedisStore::builder()).connect(&server.url()).await.unwrap();
+            Some(Arc::new(WithServer { store, server }) as DynStore)
+        },
+        admin: async { Some(Arc::new(store().await?) as conformance::DynAdminStore) },
+    }
+}
+
 #[tokio::test]
 async fn records_are_one_string_per_key_with_a_ttl_under_the_prefix() {
     let Some(url) = common::backend_url("IDEMPOTENCY_TEST_REDIS_URL") else {
@@ -247,21 +276,9 @@ async fn eviction_guard_falls_back_to_info_when_config_is_renamed() {
     claim_token(&store, &unique_id("info")).await;
 }
 
-#[tokio::test]
-async fn full_redis_refuses_new_claims_and_still_replays_old_records() {
-    let Some(server) = tiny_server() else { return };
-    let store = RedisStore::connect(&server.url()).await.unwrap();
-    let old = unique_id("old");
-    let token = claim_token(&store, &old).await;
-    store
-        .complete(&old, &token, &response(201, "kept"), TTL)
-        .await
-        .unwrap();
-    let pending = unique_id("pending");
-    let pending_token = claim_token(&store, &pending).await;
-
-    // Fill Redis behind the store's back until it refuses writes.
-    let mut con = admin(&server).await;
+/// Fills `server` behind the store's back until it refuses writes, and keeps it full.
+async fn fill_up(server: &RedisServer) {
+    let mut con = admin(server).await;
     let filler = vec![b'x'; 4 * 1024];
     let mut refused = None;
     for i in 0..10_000 {
@@ -296,6 +313,22 @@ async fn full_redis_refuses_new_claims_and_still_replays_old_records() {
         .query_async(&mut con)
         .await
         .unwrap();
+}
+
+#[tokio::test]
+async fn full_redis_refuses_new_claims_and_still_replays_old_records() {
+    let Some(server) = tiny_server() else { return };
+    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let old = unique_id("old");
+    let token = claim_token(&store, &old).await;
+    store
+        .complete(&old, &token, &response(201, "kept"), TTL)
+        .await
+        .unwrap();
+    let pending = unique_id("pending");
+    let pending_token = claim_token(&store, &pending).await;
+
+    fill_up(&server).await;
 
     let new = unique_id("new");
     let err = store.claim(&new, &fp(1), LEASE, TTL).await.unwrap_err();
@@ -327,6 +360,74 @@ async fn full_redis_refuses_new_claims_and_still_replays_old_records() {
     assert_eq!(err.kind(), StoreErrorKind::Full, "{err:?}");
     store.release(&pending, &pending_token).await.unwrap();
     assert!(store.get(&pending).await.unwrap().is_none());
+}
+
+/// With quotas a full Redis still replays a scope's records and still releases; a claim that
+/// would first forget an expired record writes nothing. A release gives the scope its record
+/// back even then: Redis refuses only a script's first write, and the release's is a `DEL`.
+#[tokio::test]
+async fn a_full_redis_with_quotas_replays_and_releases_and_keeps_counts_whole() {
+    let Some(server) = tiny_server() else { return };
+    let store = RedisStore::builder()
+        .with_max_records_per_scope(NonZeroUsize::new(3).unwrap())
+        .with_max_bytes_per_scope(NonZeroUsize::new(1 << 20).unwrap())
+        .connect(&server.url())
+        .await
+        .unwrap();
+    let (a, in_a) = scoped("full");
+    let old = in_a("old");
+    let token = token_of(claim_in(&store, &a, &old).await.unwrap());
+    store
+        .complete(&old, &token, &response(201, "kept"), TTL)
+        .await
+        .unwrap();
+    let pending = in_a("pending");
+    let pending_token = token_of(claim_in(&store, &a, &pending).await.unwrap());
+    let short = Duration::from_millis(100);
+    let brief = in_a("brief");
+    token_of(
+        store
+            .claim_in_scope(&a, &brief, &fp(1), short, short)
+            .await
+            .unwrap(),
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while store.get(&brief).await.unwrap().is_some() {
+        assert!(Instant::now() < deadline, "the record never expired");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    fill_up(&server).await;
+
+    let err = claim_in(&store, &a, &in_a("new")).await.unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::Full, "{err:?}");
+    assert!(store.get(&in_a("new")).await.unwrap().is_none());
+    match claim_in(&store, &a, &old).await.unwrap() {
+        ClaimOutcome::Existing(r) => {
+            assert_eq!(r.state, RecordState::Completed(response(201, "kept")))
+        }
+        other @ ClaimOutcome::Claimed(_) => panic!("replay on a full Redis: {other:?}"),
+    }
+    let err = store
+        .complete(&pending, &pending_token, &response(200, "late"), TTL)
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::Full, "{err:?}");
+    store.release(&pending, &pending_token).await.unwrap();
+    assert!(store.get(&pending).await.unwrap().is_none());
+
+    // Room again: the expired record is forgotten now, the released one counted no more.
+    let mut con = admin(&server).await;
+    let () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory")
+        .arg(0)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    token_of(claim_in(&store, &a, &in_a("new")).await.unwrap());
+    token_of(claim_in(&store, &a, &in_a("newer")).await.unwrap());
+    let err = claim_in(&store, &a, &in_a("newest")).await.unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::QuotaExceeded, "{err:?}");
 }
 
 #[tokio::test]
@@ -837,6 +938,14 @@ async fn quota_store(records: Option<usize>, bytes: Option<usize>) -> Option<(Re
     Some((builder.connect(&url).await.unwrap(), url))
 }
 
+/// With quotas, the key of `id`'s scope group: its records (`'s'`) or its counts (`'b'`).
+fn group_key(store: &RedisStore, id: &RecordId, which: char) -> String {
+    let key = store.key(id);
+    let (head, rest) = key.split_once('}').unwrap();
+    assert_eq!(rest.len(), 56, "a grouped record key: {key}");
+    format!("{head}}}{which}")
+}
+
 async fn claim_in(
     store: &RedisStore,
     scope: &ScopeId,
@@ -917,6 +1026,52 @@ async fn expired_records_leave_the_scope_by_redis_clock() {
 }
 
 #[tokio::test]
+async fn an_expired_record_leaves_its_scopes_counts_when_a_claim_prunes_it() {
+    let Some((store, url)) = quota_store(Some(10), Some(10_000)).await else {
+        return;
+    };
+    let (a, in_a) = scoped("pruned");
+    let short = Duration::from_millis(100);
+    let old = in_a("k1");
+    token_of(
+        store
+            .claim_in_scope(&a, &old, &fp(1), short, short)
+            .await
+            .unwrap(),
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while store.get(&old).await.unwrap().is_some() {
+        assert!(Instant::now() < deadline, "the record never expired");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    token_of(claim_in(&store, &a, &in_a("k2")).await.unwrap());
+    let mut con = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let (count, bytes, old_size): (u64, u64, Option<u64>) = redis::cmd("HMGET")
+        .arg(group_key(&store, &old, 'b'))
+        .arg(format!("n{}", a.to_hex()))
+        .arg(format!("t{}", a.to_hex()))
+        .arg(old.to_hex())
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert_eq!(
+        (count, bytes, old_size),
+        (1, 146, None),
+        "only the new record counts"
+    );
+    let members: u64 = redis::cmd("ZCARD")
+        .arg(group_key(&store, &old, 's'))
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert_eq!(members, 1);
+}
+
+#[tokio::test]
 async fn the_byte_quota_counts_recorded_answers() {
     // One record in progress is 146 bytes (header and scope); a 600-byte answer puts the
     // scope over a 700-byte budget.
@@ -941,11 +1096,9 @@ async fn the_byte_quota_counts_recorded_answers() {
         .get_multiplexed_async_connection()
         .await
         .unwrap();
-    let prefix = store.key(&in_a("k1"));
-    let prefix = prefix.split('{').next().unwrap().to_owned();
     let total: u64 = redis::cmd("HGET")
-        .arg(format!("{prefix}b:{}", a.to_hex()))
-        .arg("t")
+        .arg(group_key(&store, &in_a("k1"), 'b'))
+        .arg(format!("t{}", a.to_hex()))
         .query_async(&mut con)
         .await
         .unwrap();
@@ -974,18 +1127,26 @@ async fn without_quotas_a_scoped_claim_touches_only_its_record() {
         .unwrap();
     let key = store.key(&in_a("k0"));
     let prefix = key.split('{').next().unwrap();
+    assert_eq!(
+        key,
+        format!("{prefix}{{{}}}", in_a("k0").to_hex()),
+        "the plain layout"
+    );
     let value: Vec<u8> = redis::cmd("GET")
         .arg(&key)
         .query_async(&mut con)
         .await
         .unwrap();
     assert_eq!(&value[..2], b"2p", "an uncounted record");
-    let scope_keys: Vec<String> = redis::cmd("KEYS")
-        .arg(format!("{prefix}[sb]:*"))
+    let mut keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}*"))
         .query_async(&mut con)
         .await
         .unwrap();
-    assert!(scope_keys.is_empty(), "{scope_keys:?}");
+    keys.sort();
+    let mut records: Vec<String> = (0..5).map(|i| store.key(&in_a(&format!("k{i}")))).collect();
+    records.sort();
+    assert_eq!(keys, records, "the records and nothing else");
 }
 
 #[tokio::test]
@@ -1051,13 +1212,19 @@ async fn a_counted_record_is_taken_over_renewed_and_completed_once_in_its_scope(
         .await
         .unwrap();
     let key = store.key(&id);
-    let prefix = key.split('{').next().unwrap();
     let counted: u64 = redis::cmd("ZCARD")
-        .arg(format!("{prefix}s:{}", a.to_hex()))
+        .arg(group_key(&store, &id, 's'))
         .query_async(&mut con)
         .await
         .unwrap();
     assert_eq!(counted, 1, "one record, counted once through the takeover");
+    let count: u64 = redis::cmd("HGET")
+        .arg(group_key(&store, &id, 'b'))
+        .arg(format!("n{}", a.to_hex()))
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert_eq!(count, 1, "and in the scope's count");
     let value: Vec<u8> = redis::cmd("GET")
         .arg(&key)
         .query_async(&mut con)

@@ -14,12 +14,12 @@ impl RedisStore {
     /// Runs the remove script; `completed` picks the state that may be removed. Operator
     /// calls skip `WAIT`: they are rare, and the operator reads the result back.
     async fn remove(&self, id: &RecordId, completed: bool) -> Result<Removal, StoreError> {
-        let key = self.key(id);
+        let keys = self.keys(id);
         let state: &[u8] = if completed { b"c" } else { b"p" };
         let lua = &self.inner.scripts.remove;
-        let args: [&[u8]; 2] = [state, self.inner.prefix.as_bytes()];
+        let args: [&[u8]; 2] = [state, keys.id.as_bytes()];
         match self
-            .eval(lua, &key, &args)
+            .eval(lua, &keys, &args)
             .await
             .map_err(Failure::into_error)?
         {

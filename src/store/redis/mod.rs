@@ -96,8 +96,9 @@
 //!
 //! # Redis Cluster
 //!
-//! All of a record is one string, and its key carries the record id as a hash tag, so every
-//! script touches one slot and the store runs unchanged on a cluster. Each call, with the
+//! All of a record is one string, and its key carries the record id as a hash tag (with
+//! quotas, its scope's tag), so every script touches one slot and the store runs unchanged on
+//! a cluster. Each call, with the
 //! commands pipelined after it, goes to the slot's primary; a `NOSCRIPT` answer (a fresh node
 //! after a failover, `SCRIPT FLUSH`) loads the script on that node and sends the call again
 //! (the refused call wrote nothing), for a single node and for a cluster alike. The scripts are
@@ -112,17 +113,37 @@
 //!
 //! [`with_max_records_per_scope`](RedisStoreBuilder::with_max_records_per_scope) and
 //! [`with_max_bytes_per_scope`](RedisStoreBuilder::with_max_bytes_per_scope) cap what one
-//! scope (tenant) may hold, so one tenant cannot fill Redis for the others. The claim script
-//! counts and admits in the same call as the claim: the scope's records sit in a sorted set
-//! by expiry (`<prefix>s:<scope hex>`), their sizes in a hash (`<prefix>b:<scope hex>`), and
-//! expired ones are dropped by Redis's clock as claims come. A refused claim writes nothing
-//! and fails with [`StoreErrorKind::QuotaExceeded`];
-//! existing records still replay. A counted record carries its scope (format `3`), so
-//! `complete` adds the answer's bytes and `release` gives the record back. Without a quota
-//! none of this runs. Quotas need one primary: on a cluster the scope's records spread over
-//! every slot, and the record key cannot carry the scope as its hash tag because `complete`
-//! and `get` know only the record id, so [`connect_cluster`](RedisStoreBuilder::connect_cluster)
-//! refuses them ([`SetupError::QuotasOnCluster`]).
+//! scope (tenant) may hold, so one tenant cannot fill Redis for the others, on one node and on
+//! a cluster alike. The claim script counts and admits in the same call as the claim. A
+//! refused claim writes nothing and fails with [`StoreErrorKind::QuotaExceeded`]; existing
+//! records still replay. A counted record carries its scope (format `3`), so `complete` adds
+//! the answer's bytes and `release` (and the operator's removals) give the record back.
+//! Without a quota none of this runs.
+//!
+//! `complete`, `extend`, `release` and `get` receive only the record id, so the scope's keys
+//! must be found from it: every record id begins with its scope id's first
+//! [`RecordId::SCOPE_PREFIX`] bytes, and with quotas those bytes, in hex, are the hash tag of
+//! the record key and of its **scope group**'s two keys (the scopes whose ids share those 4
+//! bytes):
+//!
+//! - `<prefix>{<tag>}s`, a sorted set of the group's records by expiry (member: scope id hex
+//!   then record id hex), whose expired members are dropped by Redis's clock as claims come;
+//! - `<prefix>{<tag>}b`, a hash of each record's stored size (by record id hex) and, per
+//!   scope, its record count (`n<scope hex>`) and bytes (`t<scope hex>`).
+//!
+//! Each scope is counted on its own, by its full id, so two scopes that share a tag never
+//! share a quota; they only share a slot. Every script names all three keys in `KEYS`, so each
+//! call stays one atomic script on one node, in one round trip, with its `WAIT` after it.
+//!
+//! The price, on a cluster: **a scope lives on one node.** All of a tenant's records and
+//! counts are in one slot, so a hot tenant is one node's load (and memory) however many
+//! primaries there are; tenants still spread over the slots by their tags. Without quotas
+//! every record is its own hash tag and one tenant's records spread over the whole cluster.
+//! The unscoped space is one scope here too: an unscoped layer's records all share one tag
+//! (a record claimed with [`IdempotencyStore::claim`] rather than `claim_in_scope` is placed
+//! by its id but not counted). Turning quotas on or off changes the key layout: records written under the
+//! other setting are not found (a retry within their TTL runs again), so switch when a lost
+//! TTL's worth of records is acceptable, or drain first.
 //!
 //! # Requirements
 //!
@@ -133,8 +154,10 @@
 //! # Key layout and record format
 //!
 //! One string per record, at `<prefix>{<id>}`: the prefix (default `idem:`) and the record id
-//! in lowercase hex, 64 characters, inside braces so it is the cluster hash tag. The prefix
-//! must not contain braces. The value is an 82-byte header (format, state, fingerprint, nonce,
+//! in lowercase hex, 64 characters, inside braces so it is the cluster hash tag. With
+//! per-scope quotas the braces hold only the first 8 hex characters (the scope's tag, see
+//! [per-scope quotas](#per-scope-quotas)): `<prefix>{<8 hex>}<56 hex>`. The prefix must not
+//! contain braces. The value is an 82-byte header (format, state, fingerprint, nonce,
 //! generation, lease deadline, at fixed offsets, so the scripts read and rewrite fields with
 //! `GETRANGE` and `SETRANGE` and never copy the answer) followed, once completed, by the
 //! answer as [`Completion::encode`] bytes. Records in the earlier format (one hash each) read
@@ -204,6 +227,25 @@ struct Inner {
     quotas: Quotas,
 }
 
+/// The keys a script on one record is given: the record's, then, with quotas, its scope
+/// group's records and counts. All share the record's hash tag, so one slot holds them.
+struct Keys {
+    record: String,
+    group: Option<[String; 2]>,
+    /// The record id in hex, which the scripts name the record by in its group.
+    id: String,
+}
+
+impl Keys {
+    fn all(&self) -> Vec<&str> {
+        let mut keys = vec![self.record.as_str()];
+        if let Some([z, b]) = &self.group {
+            keys.extend([z.as_str(), b.as_str()]);
+        }
+        keys
+    }
+}
+
 /// Per-scope limits; 0 is none.
 #[derive(Debug, Clone, Copy, Default)]
 struct Quotas {
@@ -255,9 +297,27 @@ impl RedisStore {
         Self::builder().connect_cluster(nodes).await
     }
 
-    /// The Redis key of `id`: `<prefix>{<hex id>}`.
+    /// The Redis key of `id`: `<prefix>{<hex id>}`, or with per-scope quotas
+    /// `<prefix>{<first 8 hex>}<other 56 hex>` (see [key layout](self#key-layout-and-record-format)).
     pub fn key(&self, id: &RecordId) -> String {
-        record_key(&self.inner.prefix, id)
+        if self.inner.quotas.any() {
+            grouped_key(&self.inner.prefix, id)
+        } else {
+            record_key(&self.inner.prefix, id)
+        }
+    }
+
+    /// The keys scripts on `id` touch.
+    fn keys(&self, id: &RecordId) -> Keys {
+        let group = self.inner.quotas.any().then(|| {
+            let (prefix, tag) = (&self.inner.prefix, scope_tag(id));
+            [format!("{prefix}{{{tag}}}s"), format!("{prefix}{{{tag}}}b")]
+        });
+        Keys {
+            record: self.key(id),
+            group,
+            id: id.to_hex(),
+        }
     }
 
     /// Sends `pipe`, whose first command runs `lua`, to `key`'s node in one round trip,
@@ -287,12 +347,13 @@ impl RedisStore {
         }
     }
 
-    /// Runs one script call on `key`; its reply, or its error as a failure.
-    async fn eval(&self, lua: &Lua, key: &str, args: &[&[u8]]) -> Result<Value, Failure> {
+    /// Runs one script call on `keys` (the first names the node); its reply, or its error
+    /// as a failure.
+    async fn eval(&self, lua: &Lua, keys: &Keys, args: &[&[u8]]) -> Result<Value, Failure> {
         let mut pipe = redis::pipe();
         pipe.ignore_errors()
-            .add_command(lua.call(&[key], args.iter().copied()));
-        let replies = self.send(&pipe, lua, key).await?;
+            .add_command(lua.call(&keys.all(), args.iter().copied()));
+        let replies = self.send(&pipe, lua, &keys.record).await?;
         match <[Value; 1]>::try_from(replies) {
             Ok([Value::ServerError(e)]) => Err(Failure::from_redis(e.into())),
             Ok([v]) => Ok(v),
@@ -324,18 +385,18 @@ impl RedisStore {
     /// so replicas that have the renewal have the claim before it.
     async fn replicate_claim(
         &self,
-        key: &str,
+        keys: &Keys,
         token: &Token,
         lease: Duration,
     ) -> Result<(), StoreError> {
         let (Some(dedicated), Some(wait)) = (&self.inner.dedicated, self.inner.wait) else {
-            return self.replicate(key).await;
+            return self.replicate(&keys.record).await;
         };
         let tok = record::token_bytes(token).ok_or_else(fenced)?;
         let lease = millis(lease).to_string();
-        let args: [&[u8]; 3] = [&tok, lease.as_bytes(), self.inner.prefix.as_bytes()];
+        let args: [&[u8]; 3] = [&tok, lease.as_bytes(), keys.id.as_bytes()];
         match self
-            .write_and_wait(dedicated, &self.inner.scripts.extend, key, &args, wait)
+            .write_and_wait(dedicated, &self.inner.scripts.extend, keys, &args, wait)
             .await
         {
             Ok((Value::Int(1), acked)) => shortfall(acked, wait.0),
@@ -372,13 +433,14 @@ impl RedisStore {
         &self,
         dedicated: &Dedicated,
         lua: &Lua,
-        key: &str,
+        keys: &Keys,
         args: &[&[u8]],
         (wanted, wait): (NonZeroU32, Duration),
     ) -> Result<(Value, u64), Failure> {
+        let key = keys.record.as_str();
         let mut pipe = redis::pipe();
         pipe.ignore_errors()
-            .add_command(lua.call(&[key], args.iter().copied()))
+            .add_command(lua.call(&keys.all(), args.iter().copied()))
             .cmd("WAIT")
             .arg(wanted.get())
             .arg(millis(wait));
@@ -417,15 +479,16 @@ impl RedisStore {
     /// call took effect (`Some(result)`) or can be sent once more (`None`).
     async fn fenced(
         &self,
-        key: &str,
+        keys: &Keys,
         token: &Token,
         lua: &Lua,
         args: &[&[u8]],
         settled: impl Fn(Option<&Found>) -> Option<Result<(), StoreError>>,
     ) -> Result<(), StoreError> {
+        let key = keys.record.as_str();
         let mut lost = None;
         for _ in 0..2 {
-            match self.eval(lua, key, args).await {
+            match self.eval(lua, keys, args).await {
                 Ok(Value::Int(1)) => return Ok(()),
                 Ok(Value::Int(0)) => return Err(fenced()),
                 Ok(_) => return Err(corrupt("fenced script reply")),
@@ -446,6 +509,21 @@ impl RedisStore {
 /// `<prefix>{<hex id>}`: the braces make the id the cluster hash tag, whatever the prefix.
 fn record_key(prefix: &str, id: &RecordId) -> String {
     format!("{prefix}{{{}}}", id.to_hex())
+}
+
+/// The hash tag of a record's scope group: its id's first [`RecordId::SCOPE_PREFIX`] bytes,
+/// which are its scope id's, in hex.
+fn scope_tag(id: &RecordId) -> String {
+    let hex = id.to_hex();
+    hex[..2 * RecordId::SCOPE_PREFIX].to_owned()
+}
+
+/// `<prefix>{<scope tag>}<rest of the hex id>`: with quotas, a scope's records and its
+/// counts share one hash tag, so one script can touch them all on a cluster.
+fn grouped_key(prefix: &str, id: &RecordId) -> String {
+    let hex = id.to_hex();
+    let (tag, rest) = hex.split_at(2 * RecordId::SCOPE_PREFIX);
+    format!("{prefix}{{{tag}}}{rest}")
 }
 
 /// Milliseconds for Redis, rounded up (a lease is never shorter than asked), 1 ms at least
@@ -517,15 +595,6 @@ fn claimed(generation: u64, nonce: [u8; 16], lapsed_for: Option<Duration>) -> Cl
 }
 
 impl RedisStore {
-    /// The scope's keys: its records by expiry, and their sizes.
-    fn scope_keys(&self, scope_hex: &str) -> (String, String) {
-        let prefix = &self.inner.prefix;
-        (
-            format!("{prefix}s:{scope_hex}"),
-            format!("{prefix}b:{scope_hex}"),
-        )
-    }
-
     /// Claims `id`, counted against `scope`'s quota when one is given.
     async fn claim_as(
         &self,
@@ -535,7 +604,8 @@ impl RedisStore {
         lease: Duration,
         ttl: Duration,
     ) -> Result<ClaimOutcome, StoreError> {
-        let key = self.key(id);
+        let keys = self.keys(id);
+        let key = keys.record.as_str();
         // The nonce is made here, so a claim whose reply is lost can be recognised.
         let nonce = *Token::generate(0)?.nonce();
         let format = if scope.is_some() {
@@ -549,28 +619,26 @@ impl RedisStore {
         let lua = &self.inner.scripts.claim;
         let mut args: Vec<&[u8]> = vec![&new, lease_ms.as_bytes(), keep_ms.as_bytes()];
         let (hex, records, bytes);
-        let call = match scope {
-            None => lua.call(&[&key], args),
-            Some(scope) => {
-                hex = scope.to_hex();
-                records = self.inner.quotas.records.to_string();
-                bytes = self.inner.quotas.bytes.to_string();
-                let (z, b) = self.scope_keys(&hex);
-                args.extend([hex.as_bytes(), records.as_bytes(), bytes.as_bytes()]);
-                lua.call(&[&key, &z, &b], args)
-            }
-        };
+        if keys.group.is_some() {
+            // With quotas every record lives in its scope group, counted or not ('' scope).
+            hex = scope.map(ScopeId::to_hex).unwrap_or_default();
+            records = self.inner.quotas.records.to_string();
+            bytes = self.inner.quotas.bytes.to_string();
+            args.extend([hex.as_bytes(), records.as_bytes(), bytes.as_bytes()]);
+            args.push(keys.id.as_bytes());
+        }
+        let call = lua.call(&keys.all(), args);
         let mut pipe = redis::pipe();
-        pipe.ignore_errors().add_command(call).cmd("GET").arg(&key);
+        pipe.ignore_errors().add_command(call).cmd("GET").arg(key);
         let mut lost = None;
         for _ in 0..3 {
-            let sent = self.send(&pipe, lua, &key).await;
+            let sent = self.send(&pipe, lua, key).await;
             let outcome = match sent.and_then(|replies| parse_claim(replies, nonce)) {
                 Ok(Some(outcome)) => outcome,
                 // The record changed between the script and the GET: ask again.
                 Ok(None) => continue,
                 Err(Failure::Certain(e)) => return Err(e),
-                Err(Failure::Uncertain(e)) => match self.read(&key, &nonce).await {
+                Err(Failure::Uncertain(e)) => match self.read(key, &nonce).await {
                     Ok(Some(found))
                         if found.mine
                             && !found.completed()
@@ -590,7 +658,7 @@ impl RedisStore {
                 },
             };
             if let ClaimOutcome::Claimed(claim) = &outcome {
-                if let Err(e) = self.replicate_claim(&key, &claim.token, lease).await {
+                if let Err(e) = self.replicate_claim(&keys, &claim.token, lease).await {
                     // Not durable: give the key back so a retry need not wait out the lease.
                     let _ = self.release(id, &claim.token).await;
                     return Err(e);
@@ -637,13 +705,13 @@ impl IdempotencyStore for RedisStore {
         token: &Token,
         lease: Duration,
     ) -> Result<(), StoreError> {
-        let key = self.key(id);
+        let keys = self.keys(id);
         let tok = record::token_bytes(token).ok_or_else(fenced)?;
         let lease = millis(lease).to_string();
         let lua = &self.inner.scripts.extend;
         // Still ours and in progress: send again (renewing twice is harmless).
-        let args: [&[u8]; 3] = [&tok, lease.as_bytes(), self.inner.prefix.as_bytes()];
-        self.fenced(&key, token, lua, &args, |found| match found {
+        let args: [&[u8]; 3] = [&tok, lease.as_bytes(), keys.id.as_bytes()];
+        self.fenced(&keys, token, lua, &args, |found| match found {
             Some(f) if f.held_by(token) && !f.completed() => None,
             _ => Some(Err(fenced())),
         })
@@ -657,21 +725,25 @@ impl IdempotencyStore for RedisStore {
         completion: &Completion,
         ttl: Duration,
     ) -> Result<(), StoreError> {
-        let key = self.key(id);
+        let keys = self.keys(id);
+        let key = keys.record.as_str();
         let tok = record::token_bytes(token).ok_or_else(fenced)?;
         let encoded = completion.encode();
         let ttl = millis(ttl).to_string();
-        let args: [&[u8]; 4] = [&tok, &encoded, ttl.as_bytes(), self.inner.prefix.as_bytes()];
+        let args: [&[u8]; 4] = [&tok, &encoded, ttl.as_bytes(), keys.id.as_bytes()];
         let lua = &self.inner.scripts.complete;
         if let (Some(dedicated), Some(wait)) = (&self.inner.dedicated, self.inner.wait) {
             let mut lost = None;
             for _ in 0..2 {
-                match self.write_and_wait(dedicated, lua, &key, &args, wait).await {
+                match self
+                    .write_and_wait(dedicated, lua, &keys, &args, wait)
+                    .await
+                {
                     Ok((Value::Int(1), acked)) => return shortfall(acked, wait.0),
                     Ok((Value::Int(0), _)) => return Err(fenced()),
                     Ok(_) => return Err(corrupt("complete script reply")),
                     Err(Failure::Certain(e)) => return Err(e),
-                    Err(Failure::Uncertain(e)) => match self.read(&key, token.nonce()).await {
+                    Err(Failure::Uncertain(e)) => match self.read(key, token.nonce()).await {
                         // It landed, but whether replicas have it is not known.
                         Ok(Some(f)) if f.held_by(token) && f.completed() => {
                             return Err(StoreError::with_source(StoreErrorKind::Unknown, e))
@@ -684,21 +756,21 @@ impl IdempotencyStore for RedisStore {
             }
             return Err(unknown(lost));
         }
-        self.fenced(&key, token, lua, &args, |found| match found {
+        self.fenced(&keys, token, lua, &args, |found| match found {
             Some(f) if f.held_by(token) && f.completed() => Some(Ok(())),
             Some(f) if f.held_by(token) => None,
             _ => Some(Err(fenced())),
         })
         .await?;
-        self.replicate(&key).await
+        self.replicate(key).await
     }
 
     async fn release(&self, id: &RecordId, token: &Token) -> Result<(), StoreError> {
-        let key = self.key(id);
+        let keys = self.keys(id);
         let tok = record::token_bytes(token).ok_or_else(fenced)?;
         let lua = &self.inner.scripts.release;
-        let args: [&[u8]; 2] = [&tok, self.inner.prefix.as_bytes()];
-        self.fenced(&key, token, lua, &args, |found| match found {
+        let args: [&[u8]; 2] = [&tok, keys.id.as_bytes()];
+        self.fenced(&keys, token, lua, &args, |found| match found {
             // Gone: released, by this call or by expiry; the key is free either way.
             None => Some(Ok(())),
             Some(f) if f.held_by(token) && !f.completed() => None,
@@ -822,6 +894,19 @@ mod tests {
             .and_then(|(_, rest)| rest.split_once('}'));
         assert_eq!(tag.map(|(t, _)| t.to_owned()), Some(id.to_hex()));
         assert_ne!(record_key("a:", &id), record_key("b:", &id));
+    }
+
+    #[test]
+    fn grouped_keys_carry_the_scope_tag_as_hash_tag() {
+        let id = RecordId::new(Some("tenant"), "k");
+        let other = RecordId::new(Some("tenant"), "k2");
+        let key = grouped_key(DEFAULT_KEY_PREFIX, &id);
+        let hex = id.to_hex();
+        assert_eq!(key, format!("idem:{{{}}}{}", &hex[..8], &hex[8..]));
+        let tag = scope_tag(&id);
+        assert_eq!(tag, ScopeId::new(Some("tenant")).to_hex()[..8]);
+        assert_eq!(tag, scope_tag(&other), "one tag for the scope's records");
+        assert_ne!(key, grouped_key(DEFAULT_KEY_PREFIX, &other));
     }
 
     #[tokio::test]

@@ -35,8 +35,6 @@ pub enum SetupError {
     },
     /// The key prefix contains `{` or `}`, which would change the cluster hash tag.
     KeyPrefix(String),
-    /// Per-scope quotas were asked for on a Redis Cluster, where they are not supported.
-    QuotasOnCluster,
 }
 
 impl fmt::Display for SetupError {
@@ -71,11 +69,6 @@ impl fmt::Display for SetupError {
                 f,
                 "idempotency key prefix {p:?} contains a brace; braces would change the Redis \
                  Cluster hash tag"
-            ),
-            SetupError::QuotasOnCluster => f.write_str(
-                "per-scope quotas (with_max_records_per_scope, with_max_bytes_per_scope) are not \
-                 supported on Redis Cluster: a scope's records spread over every slot, so no \
-                 script can count them atomically; use a single primary for quotas",
             ),
         }
     }
@@ -156,12 +149,13 @@ impl RedisStoreBuilder {
     /// [`StoreErrorKind::QuotaExceeded`](crate::store::StoreErrorKind::QuotaExceeded) (the
     /// layer answers 429) while other scopes still claim: one tenant cannot fill Redis for
     /// everyone. Retries of the scope's existing records still replay. Counted atomically in
-    /// the claim's one round trip, by Redis's clock: each scope has a sorted set of its
-    /// records by expiry (`<prefix>s:<scope hex>`), pruned of expired ones as claims come.
-    /// Without a quota a claim touches no such key and costs nothing more.
+    /// the claim's one round trip, by Redis's clock, in keys beside the scope's records
+    /// (`<prefix>{<scope tag>}s` and `<prefix>{<scope tag>}b`, pruned of expired records as
+    /// claims come). Without a quota a claim touches no such key and costs nothing more.
     ///
-    /// Quotas need a single primary: [`connect_cluster`](Self::connect_cluster) refuses them
-    /// with [`SetupError::QuotasOnCluster`] (a scope's records spread over every slot).
+    /// Works on one node and on Redis Cluster. Any quota changes the key layout to
+    /// `<prefix>{<scope tag>}<rest of the id>`: on a cluster a scope's records then live in one
+    /// slot, so one node carries a hot tenant (see [per-scope quotas](super#per-scope-quotas)).
     #[must_use]
     pub fn with_max_records_per_scope(mut self, n: NonZeroUsize) -> Self {
         self.quotas.records = n.get();
@@ -173,8 +167,8 @@ impl RedisStoreBuilder {
     /// then the encoded answer once completed. Checked when a new key is claimed: a scope at
     /// or over it gets
     /// [`StoreErrorKind::QuotaExceeded`](crate::store::StoreErrorKind::QuotaExceeded) until
-    /// its records expire or are released. Sizes live in a hash per scope
-    /// (`<prefix>b:<scope hex>`). Same rules as
+    /// its records expire or are released. Sizes live in a hash per scope group
+    /// (`<prefix>{<scope tag>}b`). Same rules and key layout as
     /// [`with_max_records_per_scope`](Self::with_max_records_per_scope), cluster included.
     #[must_use]
     pub fn with_max_bytes_per_scope(mut self, n: NonZeroUsize) -> Self {
@@ -275,9 +269,6 @@ impl RedisStoreBuilder {
     ) -> Result<RedisStore, SetupError> {
         if self.prefix.contains(['{', '}']) {
             return Err(SetupError::KeyPrefix(self.prefix));
-        }
-        if self.quotas.any() && matches!(conn, RedisConnection::Cluster(_)) {
-            return Err(SetupError::QuotasOnCluster);
         }
         if self.eviction_guard {
             check_eviction_policy(&conn).await?;

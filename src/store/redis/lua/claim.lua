@@ -1,9 +1,13 @@
 -- Claims a record, or says what is there. KEYS[1] record; with quotas also KEYS[2] the
--- scope's records (a sorted set: record id by expiry ms) and KEYS[3] its bytes (a hash:
--- record id to size, 't' to the total).
+-- scope group's records (a sorted set: scope hex .. record id hex, by expiry ms) and KEYS[3]
+-- its counts (a hash: each record id hex to its size, 'n' .. scope its records, 't' .. scope
+-- its bytes).
+-- All three share the record's hash tag: a group is every scope whose id starts with the same
+-- 4 bytes, and each scope is still counted on its own.
 -- ARGV[1] the new record's first 66 bytes: format, 'p', fingerprint, nonce, generation 1 (see
 -- record.rs), ARGV[2] lease ms, ARGV[3] ms to keep a new record (max(ttl, lease)); with
--- quotas ARGV[4] the scope id in hex, ARGV[5] most records, ARGV[6] most bytes (0: no limit).
+-- quotas ARGV[4] the scope id in hex ('' for an uncounted record), ARGV[5] most records,
+-- ARGV[6] most bytes (0: no limit), ARGV[7] the record id in hex.
 --
 -- Replies: n > 0 claimed with generation n (new, or this nonce's own claim sent again);
 -- {n, lapsed ms} taken over at generation n; 0 someone else's record, not in progress;
@@ -20,38 +24,46 @@ if h == '' then
   local t = redis.call('TIME')
   local now = t[1] * 1000 + math.floor(t[2] / 1000)
   local value = new .. string.format('%016.0f', now + ARGV[2])
-  if #KEYS == 1 then
+  if #KEYS == 1 or ARGV[4] == '' then
     redis.call('SET', key, value, 'PX', ARGV[3])
     return 1
   end
-  local z, b, most, budget = KEYS[2], KEYS[3], tonumber(ARGV[5]), tonumber(ARGV[6])
-  value = value .. ARGV[4]
-  -- Forget the scope's expired records (a bounded batch per claim). The byte total goes
-  -- first: it is the one write a full Redis refuses, and then nothing has changed.
+  local z, b, scope = KEYS[2], KEYS[3], ARGV[4]
+  local most, budget = tonumber(ARGV[5]), tonumber(ARGV[6])
+  value = value .. scope
+  -- Forget the group's expired records (a bounded batch per claim), scope by scope. The
+  -- counts go first: they are the writes a full Redis refuses, and then nothing has changed.
   local gone = redis.call('ZRANGEBYSCORE', z, '-inf', string.format('%.0f', now), 'LIMIT', 0, 500)
   if #gone > 0 then
-    if budget > 0 then
-      local sizes = redis.call('HMGET', b, unpack(gone))
-      local freed = 0
-      for i = 1, #sizes do freed = freed + (tonumber(sizes[i]) or 0) end
-      redis.call('HINCRBY', b, 't', -freed)
-      redis.call('HDEL', b, unpack(gone))
+    local ids = {}
+    for i = 1, #gone do ids[i] = string.sub(gone[i], 65) end
+    local sizes = redis.call('HMGET', b, unpack(ids))
+    local n, bytes = {}, {}
+    for i = 1, #gone do
+      local s = string.sub(gone[i], 1, 64)
+      n[s] = (n[s] or 0) + 1
+      bytes[s] = (bytes[s] or 0) + (tonumber(sizes[i]) or 0)
     end
+    for s, c in pairs(n) do
+      redis.call('HINCRBY', b, 'n' .. s, -c)
+      redis.call('HINCRBY', b, 't' .. s, -bytes[s])
+    end
+    redis.call('HDEL', b, unpack(ids))
     redis.call('ZREM', z, unpack(gone))
   end
-  if most > 0 and redis.call('ZCARD', z) >= most then return {ok = 'QUOTA'} end
-  if budget > 0 and (tonumber(redis.call('HGET', b, 't')) or 0) + #value > budget then
+  local counts = redis.call('HMGET', b, 'n' .. scope, 't' .. scope)
+  if most > 0 and (tonumber(counts[1]) or 0) >= most then return {ok = 'QUOTA'} end
+  if budget > 0 and (tonumber(counts[2]) or 0) + #value > budget then
     return {ok = 'QUOTA'}
   end
   redis.call('SET', key, value, 'PX', ARGV[3])
-  local id, keep = string.sub(key, -65, -2), tonumber(ARGV[3])
-  redis.call('ZADD', z, string.format('%.0f', now + keep), id)
+  local member, keep = scope .. ARGV[7], tonumber(ARGV[3])
+  redis.call('ZADD', z, string.format('%.0f', now + keep), member)
+  redis.call('HSET', b, ARGV[7], #value)
+  redis.call('HINCRBY', b, 'n' .. scope, 1)
+  redis.call('HINCRBY', b, 't' .. scope, #value)
   if redis.call('PTTL', z) < keep then redis.call('PEXPIRE', z, ARGV[3]) end
-  if budget > 0 then
-    redis.call('HSET', b, id, #value)
-    redis.call('HINCRBY', b, 't', #value)
-    if redis.call('PTTL', b) < keep then redis.call('PEXPIRE', b, ARGV[3]) end
-  end
+  if redis.call('PTTL', b) < keep then redis.call('PEXPIRE', b, ARGV[3]) end
   return 1
 end
 local head = string.sub(h, 1, 2)
@@ -72,9 +84,14 @@ if deadline <= now and string.sub(h, 3, 34) == string.sub(new, 3, 34) then
   if redis.call('PTTL', key) < lease then
     redis.call('PEXPIRE', key, ARGV[2])
     if #KEYS > 1 and head == '3p' then
-      -- The scope counts the record as long as it lives.
-      redis.call('ZADD', KEYS[2], string.format('%.0f', now + lease), string.sub(key, -65, -2))
+      -- The scope counts the record as long as it lives (and again, should it have been
+      -- pruned a moment before its key expired).
+      local s = redis.call('GETRANGE', key, 82, 145)
+      if redis.call('ZADD', KEYS[2], string.format('%.0f', now + lease), s .. ARGV[7]) == 1 then
+        redis.call('HINCRBY', KEYS[3], 'n' .. s, 1)
+      end
       if redis.call('PTTL', KEYS[2]) < lease then redis.call('PEXPIRE', KEYS[2], ARGV[2]) end
+      if redis.call('PTTL', KEYS[3]) < lease then redis.call('PEXPIRE', KEYS[3], ARGV[2]) end
     end
   end
   return {gen, now - deadline}

@@ -1,6 +1,7 @@
--- Renews a lease. KEYS[1] record; ARGV[1] token (nonce, generation: record bytes 35-66),
--- ARGV[2] lease ms, ARGV[3] key prefix (for a scope's keys). Replies 1, or 0 when fenced (not
--- this token's, or completed): nothing written. The key lives at least one more lease.
+-- Renews a lease. KEYS[1] record; with quotas KEYS[2] and KEYS[3] its scope group's records
+-- and counts (see claim.lua). ARGV[1] token (nonce, generation: record bytes 35-66), ARGV[2]
+-- lease ms, ARGV[3] the record id in hex. Replies 1, or 0 when fenced (not this token's, or
+-- completed): nothing written. The key lives at least one more lease.
 local key = KEYS[1]
 local h = redis.call('GETRANGE', key, 0, 145)
 if string.sub(h, 35, 66) ~= ARGV[1] or string.sub(h, 2, 2) ~= 'p' then return 0 end
@@ -10,11 +11,14 @@ local lease = tonumber(ARGV[2])
 redis.call('SETRANGE', key, 66, string.format('%016.0f', now + lease))
 if redis.call('PTTL', key) < lease then
   redis.call('PEXPIRE', key, ARGV[2])
-  if string.sub(h, 1, 1) == '3' then
+  if string.sub(h, 1, 1) == '3' and #KEYS == 3 then
     -- The scope counts the record as long as it lives.
-    local z = ARGV[3] .. 's:' .. string.sub(h, 83, 146)
-    redis.call('ZADD', z, string.format('%.0f', now + lease), string.sub(key, -65, -2))
-    if redis.call('PTTL', z) < lease then redis.call('PEXPIRE', z, ARGV[2]) end
+    local scope = string.sub(h, 83, 146)
+    if redis.call('ZADD', KEYS[2], string.format('%.0f', now + lease), scope .. ARGV[3]) == 1 then
+      redis.call('HINCRBY', KEYS[3], 'n' .. scope, 1)
+    end
+    if redis.call('PTTL', KEYS[2]) < lease then redis.call('PEXPIRE', KEYS[2], ARGV[2]) end
+    if redis.call('PTTL', KEYS[3]) < lease then redis.call('PEXPIRE', KEYS[3], ARGV[2]) end
   end
 end
 return 1
