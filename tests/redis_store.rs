@@ -1138,12 +1138,28 @@ async fn without_quotas_a_scoped_claim_touches_only_its_record() {
         .await
         .unwrap();
     assert_eq!(&value[..2], b"2p", "an uncounted record");
-    let mut keys: Vec<String> = redis::cmd("KEYS")
-        .arg(format!("{prefix}*"))
-        .query_async(&mut con)
-        .await
-        .unwrap();
+    // SCAN, not KEYS: the shared Redis may hold a million other keys (a load run's), and
+    // one KEYS over them outlasts the client's timeout.
+    let mut keys: Vec<String> = Vec::new();
+    let mut cursor = 0u64;
+    loop {
+        let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(format!("{prefix}*"))
+            .arg("COUNT")
+            .arg(10_000)
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        keys.extend(batch);
+        cursor = next;
+        if cursor == 0 {
+            break;
+        }
+    }
     keys.sort();
+    keys.dedup();
     let mut records: Vec<String> = (0..5).map(|i| store.key(&in_a(&format!("k{i}")))).collect();
     records.sort();
     assert_eq!(keys, records, "the records and nothing else");
