@@ -29,6 +29,11 @@ impl RecordId {
     /// Each part is length-prefixed, so `("ab", "c")` and `("a", "bc")` differ, and the
     /// unscoped space differs from every named scope, the empty one included.
     pub fn new(scope: Option<&str>, key: &str) -> Self {
+        Self::in_scope(&ScopeId::new(scope), scope, key)
+    }
+
+    /// [`new`](Self::new), with the scope's id already derived (the layer needs both).
+    pub(crate) fn in_scope(scope_id: &ScopeId, scope: Option<&str>, key: &str) -> Self {
         let mut h = Sha256::new();
         h.update(b"tower-idempotency record v2\0");
         match scope {
@@ -43,7 +48,7 @@ impl RecordId {
         h.update(key.as_bytes());
         let mut id: [u8; 32] = h.finalize().into();
         // 224 bits of hash stay: still collision-free for any number of records.
-        id[..Self::SCOPE_PREFIX].copy_from_slice(&ScopeId::new(scope).0[..Self::SCOPE_PREFIX]);
+        id[..Self::SCOPE_PREFIX].copy_from_slice(&scope_id.0[..Self::SCOPE_PREFIX]);
         Self(id)
     }
 

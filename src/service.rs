@@ -341,7 +341,8 @@ impl Flow {
         #[cfg(not(feature = "axum"))]
         let target = &parts.uri;
         let fp = fingerprint(&parts, target, &bytes, &self.cfg.fingerprint);
-        let id = RecordId::new(scope.as_deref(), &self.key);
+        let scope_id = ScopeId::new(scope.as_deref());
+        let id = RecordId::in_scope(&scope_id, scope.as_deref(), &self.key);
         let span = tracing::info_span!(
             "idempotency",
             record = %&id.to_hex()[..16],
@@ -352,6 +353,7 @@ impl Flow {
         let keyed = Keyed {
             flow: self,
             scope,
+            scope_id,
             id,
             fp,
         };
@@ -562,6 +564,7 @@ impl Lease {
 struct Keyed {
     flow: Flow,
     scope: Option<Arc<str>>,
+    scope_id: ScopeId,
     id: RecordId,
     fp: Fingerprint,
 }
@@ -730,8 +733,8 @@ impl Keyed {
             let sent = Instant::now();
             let pending = PendingClaim {
                 future: Some({
-                    let (store, id, fp) = (cfg.store.clone(), self.id, self.fp);
-                    let scope = ScopeId::new(self.scope.as_deref());
+                    let (store, id, fp, scope) =
+                        (cfg.store.clone(), self.id, self.fp, self.scope_id);
                     let timer = self.flow.labels.store_call("claim");
                     Box::pin(async move {
                         let claim = store.claim_in_scope(&scope, &id, &fp, lease, ttl);
