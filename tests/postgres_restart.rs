@@ -112,6 +112,14 @@ async fn store_recovers_after_a_postgres_restart() {
         .complete(&id, &token, &response(201, "kept"), TTL)
         .await
         .unwrap();
+    // Four connections held at once, so the pool opens all four (four concurrent gets may
+    // finish before the last one starts and share three); then gets prepare statements.
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        held.push(store.pool().get().await.expect("a pooled connection"));
+    }
+    drop(held);
+    assert_eq!(store.pool().status().size, 4);
     let warm: Vec<_> = (0..4)
         .map(|_| {
             let (store, id) = (store.clone(), id);
@@ -121,7 +129,6 @@ async fn store_recovers_after_a_postgres_restart() {
     for w in warm {
         w.await.unwrap().unwrap();
     }
-    assert_eq!(store.pool().status().size, 4);
 
     let ctl = |action: &'static str| {
         let (version, name) = (version.clone(), name.clone());
