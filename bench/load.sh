@@ -5,7 +5,10 @@
 #   bash bench/load.sh                      # memory, plus Redis/Postgres when they answer
 #   LOAD_SECONDS=10 LOAD_MODES="bare memory redis" bash bench/load.sh
 #
-# Env: LOAD_SECONDS (per run, default 10), LOAD_CONNECTIONS (64), LOAD_THREADS (2),
+# Env: LOAD_ROUNDS (default 1: every mode once; with 3, the modes run three times in turn and
+# each figure is the median of its rounds, each ratio the median of per-round ratios to the
+# bare shop of the same round, which cancels the machine's drift), LOAD_SECONDS (per run,
+# default 10), LOAD_CONNECTIONS (64), LOAD_THREADS (2),
 # LOAD_MODES (bare noop memory redis postgres; noop is the shop behind a tower layer that does
 # nothing, GET only: what any layer on an axum Router costs), REDIS_URL (redis://127.0.0.1:6379),
 # POSTGRES_URL (postgres://postgres@127.0.0.1:5432/test), LOAD_OUT (a markdown file to
@@ -14,6 +17,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 SECS=${LOAD_SECONDS:-10}
+ROUNDS=${LOAD_ROUNDS:-1}
 CONNS=${LOAD_CONNECTIONS:-64}
 THREADS=${LOAD_THREADS:-2}
 MODES=${LOAD_MODES:-bare noop memory redis postgres}
@@ -74,6 +78,18 @@ store_ops() {
   esac
 }
 
+# CPU time (user + system, in clock ticks) of the given processes and their exited children.
+# The server side: redis-server's one process, or every postgres process (the shop's pooled
+# backends live for the whole run, so none is lost between two readings).
+ticks() { for p in "$@"; do awk '{print $14+$15+$16+$17}' "/proc/$p/stat" 2>/dev/null; done | awk '{s+=$1} END {print s+0}'; }
+server_pids() {
+  case "$1" in
+    redis) pgrep -x redis-server | head -1 ;;
+    postgres) pgrep -x postgres ;;
+  esac
+}
+HZ=$(getconf CLK_TCK)
+
 # wrk's lines -> "rps p50_ms p99_ms requests non2xx"
 run_wrk() { # $1 = mode, $2 = case
   local args=(-t"$THREADS" -c"$CONNS" -d"${SECS}s" --latency)
@@ -91,8 +107,12 @@ run_wrk() { # $1 = mode, $2 = case
     END {printf "%s %.3f %.3f %s %s\n", rps, p50, p99, n, bad+0}'
 }
 
-declare -A RPS P50 P99 OPS
-rows=()
+# Each entry is a list, one value per round.
+declare -A RPS P50 P99 OPS SHOPCPU SRVCPU RSS
+# The median of a space-separated list; "-" (no figure) when the list is empty or holds one.
+median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '$1=="-" {dash=1} {v[NR]=$1} END {if (NR==0 || dash) print "-"; else if (NR%2) print v[(NR+1)/2]; else print (v[NR/2]+v[NR/2+1])/2}'; }
+for round in $(seq "$ROUNDS"); do
+[ "$ROUNDS" -gt 1 ] && echo "round $round of $ROUNDS" >&2
 for mode in $MODES; do
   case "$mode" in
     redis) redis-cli -u "$REDIS_URL" ping >/dev/null 2>&1 || { echo "skipping redis: $REDIS_URL does not answer" >&2; continue; } ;;
@@ -104,38 +124,54 @@ for mode in $MODES; do
     # Replays: one connection first completes the 256 keys the measured run cycles over.
     [ "$c" = replay ] && wrk -t1 -c1 -d2s -s bench/replay.lua "http://$ADDR/v1/payments" >/dev/null
     before=$(store_ops "$mode")
+    srv=$(server_pids "$mode"); cpu0=$(ticks "$pid"); srv0=$(ticks $srv)
     read -r rps p50 p99 n bad < <(run_wrk "$mode" "$c")
+    cpu1=$(ticks "$pid"); srv1=$(ticks $srv)
     after=$(store_ops "$mode")
-    RPS[$mode.$c]=$rps; P50[$mode.$c]=$p50; P99[$mode.$c]=$p99
+    # Microseconds of CPU per request: the shop's, and the store server's.
+    SHOPCPU[$mode.$c]+=$(awk -v a="$cpu1" -v b="$cpu0" -v n="$n" -v hz="$HZ" 'BEGIN {printf "%.1f ", (a-b)*1e6/hz/n}')
+    SRVCPU[$mode.$c]+=$(awk -v a="$srv1" -v b="$srv0" -v n="$n" -v hz="$HZ" -v s="$srv" 'BEGIN {if (s=="") printf "- "; else printf "%.1f ", (a-b)*1e6/hz/n}')
+    RPS[$mode.$c]+="$rps "; P50[$mode.$c]+="$p50 "; P99[$mode.$c]+="$p99 "
     if [ "$mode" = redis ] || [ "$mode" = postgres ]; then
       # The store_ops probe itself is one command (Redis INFO) or transaction.
-      OPS[$mode.$c]=$(awk -v a="$after" -v b="$before" -v n="$n" 'BEGIN {printf "%.2f", (a-b-1)/n}')
+      OPS[$mode.$c]+=$(awk -v a="$after" -v b="$before" -v n="$n" 'BEGIN {printf "%.2f ", (a-b-1)/n}')
     else
-      OPS[$mode.$c]="-"
+      OPS[$mode.$c]="- "
     fi
     [ "$bad" != 0 ] && echo "warning: $mode/$c: $bad responses were not 2xx" >&2
     echo "$mode $c: $rps req/s, p50 ${p50} ms, p99 ${p99} ms, $bad non-2xx" >&2
   done
   stop_shop
-  rows+=("$mode $peak_rss_kb")
+  RSS[$mode]+="$peak_rss_kb "
+done
 done
 
 {
-  echo "wrk -t$THREADS -c$CONNS -d${SECS}s, shop with CARD_LATENCY_MS=0, $(date -u +%FT%TZ), load average $(cut -d' ' -f1-3 /proc/loadavg)"
+  echo "wrk -t$THREADS -c$CONNS -d${SECS}s, $ROUNDS round(s) (medians), shop with CARD_LATENCY_MS=0, $(date -u +%FT%TZ), load average $(cut -d' ' -f1-3 /proc/loadavg)"
   echo
-  echo "| store | case | req/s | p50 ms | p99 ms | vs bare (req/s) | p99 vs bare | store calls/request (Redis: commands incl. inside scripts; Postgres: transactions) |"
-  echo "|---|---|---:|---:|---:|---:|---:|---:|"
+  echo "| store | case | req/s | p50 ms | p99 ms | vs bare (req/s) | p99 vs bare | shop CPU µs/request | store server CPU µs/request | store calls/request (Redis: commands incl. inside scripts; Postgres: transactions) |"
+  echo "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
   for mode in $MODES; do
     for c in get unique replay; do
       [ -n "${RPS[$mode.$c]:-}" ] || continue
-      ratio=$(awk -v a="${RPS[$mode.$c]}" -v b="${RPS[bare.$c]:-0}" 'BEGIN {if (b>0) printf "%.2fx", a/b; else print "-"}')
-      p99r=$(awk -v a="${P99[$mode.$c]}" -v b="${P99[bare.$c]:-0}" 'BEGIN {if (b>0) printf "%.2fx", a/b; else print "-"}')
+      # Ratios per round (to that round's bare shop), then their median.
+      ratio=$(paste -d' ' <(tr ' ' '\n' <<<"${RPS[$mode.$c]}" | grep -v '^$') <(tr ' ' '\n' <<<"${RPS[bare.$c]:-}" | grep -v '^$') \
+        | awk '$2>0 {printf "%.4f ", $1/$2}' | median)
+      p99r=$(paste -d' ' <(tr ' ' '\n' <<<"${P99[$mode.$c]}" | grep -v '^$') <(tr ' ' '\n' <<<"${P99[bare.$c]:-}" | grep -v '^$') \
+        | awk '$2>0 {printf "%.4f ", $1/$2}' | median)
+      fmt() { awk -v v="$1" -v d="$2" 'BEGIN {if (v=="-") print "-"; else printf "%." d "f", v}'; }
+      ratio=$(fmt "$ratio" 2); [ "$ratio" != - ] && ratio="${ratio}x"
+      p99r=$(fmt "$p99r" 2); [ "$p99r" != - ] && p99r="${p99r}x"
       name=$c; [ "$c" = get ] && name="GET pass-through"; [ "$c" = unique ] && name="POST, new key"; [ "$c" = replay ] && name="POST, replay"
-      echo "| $mode | $name | ${RPS[$mode.$c]} | ${P50[$mode.$c]} | ${P99[$mode.$c]} | $ratio | $p99r | ${OPS[$mode.$c]} |"
+      echo "| $mode | $name | $(fmt "$(median <<<"${RPS[$mode.$c]}")" 0) | $(fmt "$(median <<<"${P50[$mode.$c]}")" 3) | $(fmt "$(median <<<"${P99[$mode.$c]}")" 3) | $ratio | $p99r | $(fmt "$(median <<<"${SHOPCPU[$mode.$c]}")" 1) | $(fmt "$(median <<<"${SRVCPU[$mode.$c]}")" 1) | $(fmt "$(median <<<"${OPS[$mode.$c]}")" 2) |"
     done
   done
   echo
   echo "| store | shop peak RSS (VmHWM) |"
   echo "|---|---:|"
-  for r in "${rows[@]}"; do set -- $r; echo "| $1 | $(( $2 / 1024 )) MiB |"; done
+  for mode in $MODES; do
+    [ -n "${RSS[$mode]:-}" ] || continue
+    max=$(tr ' ' '\n' <<<"${RSS[$mode]}" | grep -v '^$' | sort -n | tail -1)
+    echo "| $mode | $(( max / 1024 )) MiB |"
+  done
 } | if [ -n "${LOAD_OUT:-}" ]; then tee "$LOAD_OUT"; else cat; fi
