@@ -23,7 +23,7 @@ THREADS=${LOAD_THREADS:-2}
 MODES=${LOAD_MODES:-bare noop memory redis postgres}
 REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379}
 POSTGRES_URL=${POSTGRES_URL:-postgres://postgres@127.0.0.1:5432/test}
-export LOAD_RUN="$(date +%s)-$$"
+RUN_ID="$(date +%s)-$$"
 
 if ! command -v wrk >/dev/null; then
   echo "installing wrk (Debian package)" >&2
@@ -112,6 +112,9 @@ declare -A RPS P50 P99 OPS SHOPCPU SRVCPU RSS
 # The median of a space-separated list; "-" (no figure) when the list is empty or holds one.
 median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '$1=="-" {dash=1} {v[NR]=$1} END {if (NR==0 || dash) print "-"; else if (NR%2) print v[(NR+1)/2]; else print (v[NR/2]+v[NR/2+1])/2}'; }
 for round in $(seq "$ROUNDS"); do
+# bench/unique.lua makes its keys from LOAD_RUN: a new one per round, or a later round's "new
+# keys" would be replays of the first round's in Redis and Postgres, which keep them.
+export LOAD_RUN="$RUN_ID-$round"
 [ "$ROUNDS" -gt 1 ] && echo "round $round of $ROUNDS" >&2
 for mode in $MODES; do
   case "$mode" in
