@@ -120,3 +120,74 @@ async fn a_scope_over_its_quota_is_refused_while_other_scopes_still_claim() {
         ));
     }
 }
+
+#[tokio::test]
+async fn a_scope_over_its_byte_quota_is_refused_while_other_scopes_still_claim() {
+    use bytes::Bytes;
+    use std::time::Duration;
+    use tower_idempotency::store::{ClaimOutcome, IdempotencyStore, StoreErrorKind};
+    use tower_idempotency::{Completion, Fingerprint, RecordId, ScopeId, StoredResponse};
+
+    // 8 KiB per scope; one recorded answer of 10,000 bytes is over it on its own.
+    let store = MemoryStore::builder()
+        .with_max_bytes_per_scope(NonZeroUsize::new(8 * 1024).unwrap())
+        .build();
+    let fp = Fingerprint::from_bytes([3; 32]);
+    let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(60));
+    let claim = |tenant: &'static str, key: &'static str| {
+        let store = store.clone();
+        async move {
+            let scope = ScopeId::new(Some(tenant));
+            let id = RecordId::new(Some(tenant), key);
+            store.claim_in_scope(&scope, &id, &fp, lease, ttl).await
+        }
+    };
+    // Small in-progress records fit: the budget counts bytes, not records.
+    let mut small = Vec::new();
+    for key in ["s1", "s2", "s3"] {
+        match claim("alice", key).await.unwrap() {
+            ClaimOutcome::Claimed(c) => small.push((key, c.token)),
+            ClaimOutcome::Existing(_) => panic!("{key} is new"),
+        }
+    }
+    let ClaimOutcome::Claimed(big) = claim("alice", "big").await.unwrap() else {
+        panic!("a fourth small claim still fits in 8 KiB")
+    };
+    let answer = Completion::Response(StoredResponse {
+        status: http::StatusCode::CREATED,
+        headers: http::HeaderMap::new(),
+        body: Bytes::from(vec![b'x'; 10_000]),
+        trailers: None,
+    });
+    let big_id = RecordId::new(Some("alice"), "big");
+    store
+        .complete(&big_id, &big.token, &answer, ttl)
+        .await
+        .unwrap();
+    // Now the scope holds more than its budget: its new keys are refused.
+    let over = claim("alice", "next").await.unwrap_err();
+    assert_eq!(over.kind(), StoreErrorKind::QuotaExceeded);
+    // Another tenant is not affected, and alice's recorded answer still replays.
+    assert!(matches!(
+        claim("bob", "next").await.unwrap(),
+        ClaimOutcome::Claimed(_)
+    ));
+    match claim("alice", "big").await.unwrap() {
+        ClaimOutcome::Existing(r) => assert_eq!(
+            r.state,
+            tower_idempotency::RecordState::Completed(answer.clone())
+        ),
+        other @ ClaimOutcome::Claimed(_) => panic!("expected a replay, got {other:?}"),
+    }
+    // Releasing small records does not bring the scope under 8 KiB: still refused.
+    for (key, token) in small {
+        store
+            .release(&RecordId::new(Some("alice"), key), &token)
+            .await
+            .unwrap();
+    }
+    assert_eq!(
+        claim("alice", "next").await.unwrap_err().kind(),
+        StoreErrorKind::QuotaExceeded
+    );
+}

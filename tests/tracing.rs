@@ -167,3 +167,61 @@ async fn a_conflict_is_reported_as_conflict() {
     let outcomes = capture.outcomes.lock().unwrap().clone();
     assert_eq!(outcomes, ["conflict", "executed"]);
 }
+
+#[tokio::test(flavor = "current_thread")]
+async fn an_unscoped_layer_warns_when_it_is_built_and_a_scoped_one_does_not() {
+    let capture = Capture::default();
+    let _guard =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(capture.clone()));
+    let _scoped = IdempotencyLayer::new(MemoryStore::new())
+        .with_scope(|req| req.headers.get("x-tenant").map(|v| v.to_str().unwrap_or("").to_owned()));
+    assert!(
+        !capture.text.lock().unwrap().contains("unscoped"),
+        "a scoped layer warned"
+    );
+    let _unscoped = IdempotencyLayer::new(MemoryStore::new()).unscoped();
+    let text = capture.text.lock().unwrap().clone();
+    assert_eq!(
+        text.matches("built unscoped").count(),
+        1,
+        "one warning for one unscoped layer:\n{text}"
+    );
+    assert!(text.contains("with_scope"), "the warning names the fix:\n{text}");
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_set_cookie_answer_is_recorded_without_it_and_warned_about_once() {
+    let capture = Capture::default();
+    let _guard =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(capture.clone()));
+    let inner = service_fn(|_req: Request<RequestBody<Full<Bytes>>>| async move {
+        let mut res = Response::new(Full::new(Bytes::from_static(b"{\"id\":1}")));
+        *res.status_mut() = StatusCode::CREATED;
+        res.headers_mut()
+            .insert("set-cookie", "session=alice".parse().unwrap());
+        res.headers_mut()
+            .insert("x-order", "o-1".parse().unwrap());
+        Ok::<_, Infallible>(res)
+    });
+    let s = IdempotencyLayer::new(MemoryStore::new())
+        .unscoped()
+        .layer(inner);
+    let first = s.clone().oneshot(post("/o", Some("cookie-1"), "{}")).await.unwrap();
+    assert_eq!(first.status(), StatusCode::CREATED);
+    // The live answer is the handler's own, cookie included.
+    assert_eq!(first.headers()["set-cookie"], "session=alice");
+    let replay = s.clone().oneshot(post("/o", Some("cookie-1"), "{}")).await.unwrap();
+    assert_eq!(replay.status(), StatusCode::CREATED);
+    assert_eq!(replay.headers()["x-order"], "o-1", "other headers replay");
+    assert!(
+        replay.headers().get("set-cookie").is_none(),
+        "a replay must not hand the first caller's cookie to whoever retries"
+    );
+    s.oneshot(post("/o", Some("cookie-2"), "{}")).await.unwrap();
+    let text = capture.text.lock().unwrap().clone();
+    assert_eq!(
+        text.matches("carried Set-Cookie").count(),
+        1,
+        "warned once per process, not per answer:\n{text}"
+    );
+}
