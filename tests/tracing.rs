@@ -173,8 +173,11 @@ async fn an_unscoped_layer_warns_when_it_is_built_and_a_scoped_one_does_not() {
     let capture = Capture::default();
     let _guard =
         tracing::subscriber::set_default(tracing_subscriber::registry().with(capture.clone()));
-    let _scoped = IdempotencyLayer::new(MemoryStore::new())
-        .with_scope(|req| req.headers.get("x-tenant").map(|v| v.to_str().unwrap_or("").to_owned()));
+    let _scoped = IdempotencyLayer::new(MemoryStore::new()).with_scope(|req| {
+        req.headers
+            .get("x-tenant")
+            .map(|v| v.to_str().unwrap_or("").to_owned())
+    });
     assert!(
         !capture.text.lock().unwrap().contains("unscoped"),
         "a scoped layer warned"
@@ -186,7 +189,10 @@ async fn an_unscoped_layer_warns_when_it_is_built_and_a_scoped_one_does_not() {
         1,
         "one warning for one unscoped layer:\n{text}"
     );
-    assert!(text.contains("with_scope"), "the warning names the fix:\n{text}");
+    assert!(
+        text.contains("with_scope"),
+        "the warning names the fix:\n{text}"
+    );
 }
 
 #[tokio::test(flavor = "current_thread")]
@@ -199,18 +205,25 @@ async fn a_set_cookie_answer_is_recorded_without_it_and_warned_about_once() {
         *res.status_mut() = StatusCode::CREATED;
         res.headers_mut()
             .insert("set-cookie", "session=alice".parse().unwrap());
-        res.headers_mut()
-            .insert("x-order", "o-1".parse().unwrap());
+        res.headers_mut().insert("x-order", "o-1".parse().unwrap());
         Ok::<_, Infallible>(res)
     });
     let s = IdempotencyLayer::new(MemoryStore::new())
         .unscoped()
         .layer(inner);
-    let first = s.clone().oneshot(post("/o", Some("cookie-1"), "{}")).await.unwrap();
+    let first = s
+        .clone()
+        .oneshot(post("/o", Some("cookie-1"), "{}"))
+        .await
+        .unwrap();
     assert_eq!(first.status(), StatusCode::CREATED);
     // The live answer is the handler's own, cookie included.
     assert_eq!(first.headers()["set-cookie"], "session=alice");
-    let replay = s.clone().oneshot(post("/o", Some("cookie-1"), "{}")).await.unwrap();
+    let replay = s
+        .clone()
+        .oneshot(post("/o", Some("cookie-1"), "{}"))
+        .await
+        .unwrap();
     assert_eq!(replay.status(), StatusCode::CREATED);
     assert_eq!(replay.headers()["x-order"], "o-1", "other headers replay");
     assert!(
