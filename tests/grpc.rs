@@ -148,14 +148,27 @@ struct Raw {
 }
 
 async fn raw_call(h: &Harness, path: &str, key: &str, message: &impl prost::Message) -> Raw {
+    raw_call_with(h, path, &[("idempotency-key", key)], message).await
+}
+
+/// [`raw_call`] with any request metadata (`idempotency-key` included, if wanted).
+async fn raw_call_with(
+    h: &Harness,
+    path: &str,
+    metadata: &[(&str, &str)],
+    message: &impl prost::Message,
+) -> Raw {
     let mut body = BytesMut::new();
     body.put_u8(0);
     body.put_u32(message.encoded_len() as u32);
     message.encode(&mut body).unwrap();
-    let req = http::Request::post(format!("http://{}{path}", h.addr))
+    let mut req = http::Request::post(format!("http://{}{path}", h.addr))
         .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .header("idempotency-key", key)
+        .header("te", "trailers");
+    for (name, value) in metadata {
+        req = req.header(*name, *value);
+    }
+    let req = req
         .body(tonic::body::Body::new(http_body_util::Full::new(
             body.freeze(),
         )))
@@ -474,6 +487,82 @@ async fn a_request_over_the_grpc_limit_is_resource_exhausted() {
     let status = h.client.clone().create_payment(req).await.unwrap_err();
     assert_eq!(status.code(), Code::ResourceExhausted);
     assert_eq!(h.shop.card_calls(), 0);
+}
+
+/// What the layer says when a caller's scope is over the store's per-scope quota.
+const QUOTA_MESSAGE: &str =
+    "this caller holds as many idempotency records as it may; the request was not processed";
+
+#[tokio::test]
+async fn a_caller_over_its_quota_is_resource_exhausted_and_other_callers_are_served() {
+    let store = MemoryStore::builder()
+        .with_max_records_per_scope(NonZeroUsize::new(2).unwrap())
+        .build();
+    let h = start_with_store(Arc::new(store), config(None), |l| l).await;
+    let mut client = h.client.clone();
+    // The example's scope is the caller named by `x-api-key`.
+    let as_caller = |api_key: &str, key: &str| {
+        let mut req = payment(Some(key), 1000);
+        req.metadata_mut()
+            .insert("x-api-key", api_key.parse().unwrap());
+        req
+    };
+    for key in ["k1", "k2"] {
+        let ok = client
+            .create_payment(as_caller("alice", key))
+            .await
+            .unwrap();
+        assert!(!replayed(&ok), "{key}");
+    }
+
+    // A third key: refused by the quota, in gRPC's terms, before the handler runs.
+    let status = client
+        .create_payment(as_caller("alice", "k3"))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert_eq!(status.message(), QUOTA_MESSAGE);
+    assert!(status.details().is_empty(), "no RetryInfo: {status:?}");
+    assert_eq!(h.shop.card_calls(), 2);
+
+    // On the wire: a trailers-only gRPC answer (HTTP 200, status in the headers), not an
+    // HTTP 429 with a problem+json body.
+    let msg = CreatePaymentRequest {
+        amount: 1000,
+        currency: "EUR".to_owned(),
+    };
+    let raw = raw_call_with(
+        &h,
+        CREATE_PAYMENT,
+        &[("idempotency-key", "k4"), ("x-api-key", "alice")],
+        &msg,
+    )
+    .await;
+    assert_eq!(raw.status, http::StatusCode::OK, "{raw:?}");
+    assert_eq!(raw.headers["content-type"], "application/grpc");
+    assert_eq!(raw.headers["grpc-status"], "8", "RESOURCE_EXHAUSTED");
+    assert_eq!(raw.headers["grpc-message"], QUOTA_MESSAGE);
+    assert!(!raw.headers.contains_key("grpc-status-details-bin"));
+    assert!(!raw.headers.contains_key("retry-after"));
+    assert!(!raw.headers.contains_key("idempotent-replayed"));
+    assert!(raw.body.is_empty() && raw.trailers.is_none(), "{raw:?}");
+    assert_eq!(
+        h.shop.card_calls(),
+        2,
+        "refused calls never reach the handler"
+    );
+
+    // Another caller is served, and alice's existing keys still replay.
+    let bob = client.create_payment(as_caller("bob", "k3")).await.unwrap();
+    assert!(!replayed(&bob));
+    let again = client
+        .create_payment(as_caller("alice", "k1"))
+        .await
+        .unwrap();
+    assert!(replayed(&again));
+    assert_eq!(again.get_ref().id, "pay_1");
+    assert_eq!(h.charges().await, 3, "alice twice, bob once");
+    assert_eq!(h.shop.card_calls(), 3);
 }
 
 // ---------------------------------------------------------------------------------------

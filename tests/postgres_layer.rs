@@ -8,6 +8,7 @@ mod support;
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
+use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -15,12 +16,14 @@ use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::Full;
 use pg_support::{admin, eventually, store_in, TestSchema};
-use support::{body_bytes, post};
+use support::{body_bytes, body_json, post};
 use tokio::sync::{Barrier, Notify};
 use tower::{service_fn, Layer, ServiceExt};
 use tower_idempotency::store::postgres::PostgresStore;
 use tower_idempotency::store::IdempotencyStore;
-use tower_idempotency::{IdempotencyContext, IdempotencyLayer, RecordDecision, RequestBody};
+use tower_idempotency::{
+    ErrorKind, IdempotencyContext, IdempotencyError, IdempotencyLayer, RecordDecision, RequestBody,
+};
 
 const APP: &str = "tidem-layer";
 
@@ -206,6 +209,81 @@ async fn a_handler_records_its_answer_in_its_own_transaction_or_not_at_all() {
     assert_eq!(replay.headers()["content-type"], "application/json");
     assert_eq!(body_bytes(replay).await, r#"{"id":"pay_2"}"#);
     assert_eq!((attempts.load(Ordering::SeqCst), count().await), (2, 1));
+    schema.drop_now().await;
+}
+
+#[tokio::test]
+async fn a_tenant_over_its_postgres_quota_gets_429_and_other_tenants_are_served() {
+    let Some(url) = pg_support::url() else { return };
+    let schema = TestSchema::create(&url, "layerquota").await;
+    let store = store_in(&url, &schema, 4, APP)
+        .await
+        .with_max_records_per_scope(NonZeroUsize::new(2).unwrap());
+    store.verify().await.unwrap();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let inner = {
+        let calls = calls.clone();
+        service_fn(move |_req: Request<RequestBody<Full<Bytes>>>| {
+            let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
+            async move {
+                let mut res = Response::new(Full::new(Bytes::from(format!("pay_{n}"))));
+                *res.status_mut() = StatusCode::CREATED;
+                Ok::<_, Infallible>(res)
+            }
+        })
+    };
+    let svc = IdempotencyLayer::new(store)
+        .with_scope(|req| {
+            let t = req.headers.get("x-tenant")?;
+            Some(t.to_str().ok()?.to_owned())
+        })
+        .layer(inner);
+    let send = |tenant: &str, key: &str| {
+        let mut req = post("/pay", Some(key), "{}");
+        req.headers_mut()
+            .insert("x-tenant", tenant.parse().unwrap());
+        svc.clone().oneshot(req)
+    };
+
+    for (key, body) in [("k1", "pay_1"), ("k2", "pay_2")] {
+        let res = send("a", key).await.unwrap();
+        assert_eq!(res.status(), StatusCode::CREATED, "{key}");
+        assert_eq!(body_bytes(res).await, body);
+    }
+
+    let over = send("a", "k3").await.unwrap();
+    assert_eq!(over.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        over.extensions()
+            .get::<IdempotencyError>()
+            .map(|e| e.kind()),
+        Some(ErrorKind::QuotaExceeded)
+    );
+    assert_eq!(over.headers()["content-type"], "application/problem+json");
+    assert_eq!(over.headers()["cache-control"], "no-store");
+    assert!(over.headers().get("idempotent-replayed").is_none());
+    let problem = body_json(over).await;
+    assert_eq!(problem["type"], ErrorKind::QuotaExceeded.type_uri());
+    assert_eq!(problem["status"], 429);
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        2,
+        "the refused key did not run"
+    );
+
+    // Another tenant claims the same key text in its own scope.
+    let other = send("b", "k3").await.unwrap();
+    assert_eq!(other.status(), StatusCode::CREATED, "tenant b is served");
+    assert!(other.headers().get("idempotent-replayed").is_none());
+    assert_eq!(body_bytes(other).await, "pay_3");
+
+    // The full tenant's existing key still replays.
+    let replay = send("a", "k1").await.unwrap();
+    assert_eq!(replay.status(), StatusCode::CREATED);
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    assert_eq!(body_bytes(replay).await, "pay_1");
+    assert_eq!(calls.load(Ordering::SeqCst), 3, "a twice, b once");
+    drop(svc);
     schema.drop_now().await;
 }
 

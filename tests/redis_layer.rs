@@ -15,11 +15,13 @@ use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::Full;
 use redis_harness::RedisServer;
-use support::{body_bytes, post};
+use support::{body_bytes, body_json, post};
 use tokio::sync::{Barrier, Notify};
 use tower::{service_fn, util::BoxCloneService, Layer, ServiceExt};
-use tower_idempotency::store::redis::RedisStore;
-use tower_idempotency::{ErrorKind, IdempotencyError, IdempotencyLayer, RequestBody, ResponseBody};
+use tower_idempotency::store::redis::{redis, RedisStore};
+use tower_idempotency::{
+    Completion, ErrorKind, IdempotencyError, IdempotencyLayer, RecordId, RequestBody, ResponseBody,
+};
 
 type Svc = BoxCloneService<Request<Full<Bytes>>, Response<ResponseBody<Full<Bytes>>>, Infallible>;
 
@@ -259,4 +261,130 @@ async fn a_tenant_over_its_redis_quota_gets_429_and_others_are_served() {
         StatusCode::CREATED
     );
     assert_eq!(calls.load(Ordering::SeqCst), 2, "alice once, bob once");
+}
+
+/// A completed answer as `Completion::encode` lays it out (status 201, no body, no
+/// trailers) whose header map holds `count` well-formed fields: far more than the decoder
+/// accepts, and more than an `http::HeaderMap` can hold (appending them all would panic).
+fn completion_with_fields(count: u32) -> Vec<u8> {
+    let mut out = vec![1, 0]; // format version 1, kind: response
+    out.extend_from_slice(&201u16.to_be_bytes());
+    out.extend_from_slice(&count.to_be_bytes());
+    for i in 0..count {
+        let name = format!("x-{i}");
+        out.extend_from_slice(&(name.len() as u16).to_be_bytes());
+        out.extend_from_slice(name.as_bytes());
+        out.extend_from_slice(&1u32.to_be_bytes());
+        out.push(b'v');
+    }
+    out.extend_from_slice(&0u32.to_be_bytes()); // empty body
+    out.push(0); // no trailers
+    out
+}
+
+/// A record in Redis whose answer carries more header fields than the decoder allows: a
+/// retry of its key gets a clean 503 problem (the store is treated as broken for it), never
+/// a panic, and the handler does not run again.
+#[tokio::test]
+async fn a_stored_answer_with_too_many_header_fields_is_a_503_problem_not_a_panic() {
+    let Some(url) = common::backend_url("IDEMPOTENCY_TEST_REDIS_URL") else {
+        return;
+    };
+    let store = RedisStore::builder()
+        .with_key_prefix(unique("hostile-layer") + ":")
+        .connect(&url)
+        .await
+        .unwrap();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let svc = service(store.clone(), calls.clone(), Arc::new(Notify::new()));
+    let key = unique("hostile");
+    let first = svc
+        .clone()
+        .oneshot(post("/x", Some(&key), "{}"))
+        .await
+        .unwrap();
+    assert_eq!(first.status(), StatusCode::CREATED);
+    assert_eq!(body_bytes(first).await, "pay_1");
+
+    // The record the layer completed: a plain (format `2`) record, 82 header bytes, then
+    // the encoded answer.
+    let redis_key = store.key(&RecordId::new(None, &key));
+    let mut con = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let stored: Vec<u8> = redis::cmd("GET")
+        .arg(&redis_key)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    const HEADER: usize = 82;
+    assert_eq!(&stored[..2], b"2c", "a completed plain record");
+    match Completion::decode(Bytes::copy_from_slice(&stored[HEADER..])).unwrap() {
+        Completion::Response(r) => assert_eq!(r.body, "pay_1"),
+        other @ Completion::Tombstone { .. } => panic!("expected a response, got {other:?}"),
+    }
+
+    // Same record header (fingerprint, token, state), crafted answer; the TTL stays.
+    let mut overwrite = async |fields: u32| {
+        let mut value = stored[..HEADER].to_vec();
+        value.extend_from_slice(&completion_with_fields(fields));
+        let () = redis::cmd("SET")
+            .arg(&redis_key)
+            .arg(value.as_slice())
+            .arg("KEEPTTL")
+            .query_async(&mut con)
+            .await
+            .unwrap();
+    };
+
+    // The crafted layout is right: with a few fields it replays as written.
+    overwrite(3).await;
+    let replay = svc
+        .clone()
+        .oneshot(post("/x", Some(&key), "{}"))
+        .await
+        .unwrap();
+    assert_eq!(replay.status(), StatusCode::CREATED);
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    assert_eq!(replay.headers()["x-2"], "v");
+    assert!(body_bytes(replay).await.is_empty());
+
+    // Past the decoder's field cap.
+    overwrite(30_000).await;
+
+    for _ in 0..2 {
+        let res = svc
+            .clone()
+            .oneshot(post("/x", Some(&key), "{}"))
+            .await
+            .unwrap();
+        assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(
+            res.extensions().get::<IdempotencyError>().map(|e| e.kind()),
+            Some(ErrorKind::StoreUnavailable)
+        );
+        assert_eq!(res.headers()["content-type"], "application/problem+json");
+        assert_eq!(res.headers()["retry-after"], "1");
+        assert!(res.headers().get("idempotent-replayed").is_none());
+        let problem = body_json(res).await;
+        assert_eq!(problem["type"], ErrorKind::StoreUnavailable.type_uri());
+        assert_eq!(problem["status"], 503);
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "never run again");
+
+    // Other keys on the same store are unaffected.
+    let other = svc
+        .clone()
+        .oneshot(post("/x", Some(&unique("fine")), "{}"))
+        .await
+        .unwrap();
+    assert_eq!(other.status(), StatusCode::CREATED);
+
+    let _: i64 = redis::cmd("DEL")
+        .arg(&redis_key)
+        .query_async(&mut con)
+        .await
+        .unwrap();
 }
