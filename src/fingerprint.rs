@@ -1050,9 +1050,11 @@ impl Canon<'_, '_> {
     fn close_members(&mut self, start: usize, base: usize, top: bool) -> Option<()> {
         let close = self.i - 1;
         // Where the members' bytes are: still in the input when the whole object is pending
-        // (no whitespace, no rewritten value), else in `out`.
+        // (no whitespace, no rewritten value), else in `out`. Whitespace before the `}` is
+        // skipped, not pending: the members end where the pending run ends, not at `close`.
         let flushed = self.out.len();
         let in_input = start >= flushed;
+        let members_end = self.pending.1;
         if !in_input {
             self.flush();
         }
@@ -1139,7 +1141,7 @@ impl Canon<'_, '_> {
         // call.
         let (src, delta) = if in_input {
             self.out
-                .extend_from_slice(&self.s[body.wrapping_add(delta)..close]);
+                .extend_from_slice(&self.s[body.wrapping_add(delta)..members_end]);
             (self.s, delta)
         } else {
             self.scratch.clear();
@@ -2768,10 +2770,39 @@ mod tests {
         out
     }
 
+    #[test]
+    fn whitespace_before_the_brace_of_an_unsorted_object_is_not_kept() {
+        // Found by the property tests at 200,000 cases: an object still wholly in the input
+        // but for whitespace before its `}` was sorted with that whitespace copied in, and
+        // a debug assertion fired (release builds kept the stray bytes in the output).
+        for (doc, want) in [
+            ("{\"a\":null,\"\":\"\"\n\t\t }", r#"{"":"","a":null}"#),
+            (
+                "\r {\"aaa\":null,\"\":{\"\":\"\"}\n\t}\r\t",
+                r#"{"":{"":""},"aaa":null}"#,
+            ),
+            ("[{\"b\":1,\"a\":2} ]", r#"[{"a":2,"b":1}]"#),
+            ("{\"b\":1,\"a\":2 }", r#"{"a":2,"b":1}"#),
+        ] {
+            let never = [JsonPointer::parse("/no key is this long").unwrap()];
+            for excluded in [&[][..], &never[..]] {
+                let out = canonical_json(doc.as_bytes(), excluded).expect(doc);
+                assert_eq!(String::from_utf8(out).unwrap(), want, "{doc:?}");
+            }
+            assert_eq!(
+                canonical_json_digest(doc.as_bytes()),
+                Some(<[u8; 32]>::from(Sha256::digest(want.as_bytes()))),
+                "{doc:?}"
+            );
+        }
+    }
+
     proptest! {
         // Bounded so the in-CI run takes a few seconds; raise with PROPTEST_CASES locally.
         #![proptest_config(ProptestConfig {
             cases: std::env::var("PROPTEST_CASES").ok().and_then(|n| n.parse().ok()).unwrap_or(384),
+            // About 2% of changes keep the meaning and are rejected: room for long local runs.
+            max_global_rejects: 1 << 20,
             ..ProptestConfig::default()
         })]
 
