@@ -3,33 +3,22 @@
 
 mod support;
 
-use std::convert::Infallible;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::{Request, Response, StatusCode};
+use http::{Request, StatusCode};
 use http_body_util::Full;
 use support::{body_bytes, body_json, post};
-use tower::{service_fn, Layer, ServiceExt};
+use tower::{Layer, ServiceExt};
 use tower_idempotency::store::{IdempotencyStore, MemoryStore};
-use tower_idempotency::{ErrorKind, IdempotencyLayer, RecordId, RequestBody};
+use tower_idempotency::{ErrorKind, IdempotencyLayer, RecordId};
 
 #[tokio::test]
 async fn a_reused_key_is_422_key_reused_and_leaves_the_first_record_as_it_was() {
     let store = MemoryStore::new();
     let runs = Arc::new(AtomicUsize::new(0));
-    let inner = {
-        let runs = runs.clone();
-        service_fn(move |_req: Request<RequestBody<Full<Bytes>>>| {
-            let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
-            async move {
-                let mut res = Response::new(Full::new(Bytes::from(format!("pay_{n}"))));
-                *res.status_mut() = StatusCode::CREATED;
-                Ok::<_, Infallible>(res)
-            }
-        })
-    };
+    let inner = support::counting_payments(runs.clone());
     let svc = IdempotencyLayer::new(store.clone()).unscoped().layer(inner);
     let first = svc
         .clone()

@@ -64,25 +64,34 @@ async fn a_recorded_body_keeps_only_its_own_bytes_not_the_buffer_it_came_from() 
     );
 }
 
+/// Claims `key` in `tenant`'s scope.
+async fn claim_in(
+    store: &MemoryStore,
+    tenant: &str,
+    key: &str,
+    fp: tower_idempotency::Fingerprint,
+    lease: std::time::Duration,
+    ttl: std::time::Duration,
+) -> Result<tower_idempotency::store::ClaimOutcome, tower_idempotency::store::StoreError> {
+    use tower_idempotency::store::IdempotencyStore;
+    use tower_idempotency::{RecordId, ScopeId};
+    let scope = ScopeId::new(Some(tenant));
+    let id = RecordId::new(Some(tenant), key);
+    store.claim_in_scope(&scope, &id, &fp, lease, ttl).await
+}
+
 #[tokio::test]
 async fn a_scope_over_its_quota_is_refused_while_other_scopes_still_claim() {
     use std::time::Duration;
     use tower_idempotency::store::{ClaimOutcome, IdempotencyStore, StoreErrorKind};
-    use tower_idempotency::{Fingerprint, RecordId, ScopeId};
+    use tower_idempotency::{Fingerprint, RecordId};
 
     let store = MemoryStore::builder()
         .with_max_records_per_scope(NonZeroUsize::new(3).unwrap())
         .build();
     let fp = Fingerprint::from_bytes([2; 32]);
     let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(60));
-    let claim = |tenant: &'static str, key: &'static str| {
-        let store = store.clone();
-        async move {
-            let scope = ScopeId::new(Some(tenant));
-            let id = RecordId::new(Some(tenant), key);
-            store.claim_in_scope(&scope, &id, &fp, lease, ttl).await
-        }
-    };
+    let claim = |tenant, key| claim_in(&store, tenant, key, fp, lease, ttl);
     let mut tokens = Vec::new();
     for key in ["k1", "k2", "k3"] {
         match claim("alice", key).await.unwrap() {
@@ -126,7 +135,7 @@ async fn a_scope_over_its_byte_quota_is_refused_while_other_scopes_still_claim()
     use bytes::Bytes;
     use std::time::Duration;
     use tower_idempotency::store::{ClaimOutcome, IdempotencyStore, StoreErrorKind};
-    use tower_idempotency::{Completion, Fingerprint, RecordId, ScopeId, StoredResponse};
+    use tower_idempotency::{Completion, Fingerprint, RecordId, StoredResponse};
 
     // 8 KiB per scope; one recorded answer of 10,000 bytes is over it on its own.
     let store = MemoryStore::builder()
@@ -134,14 +143,7 @@ async fn a_scope_over_its_byte_quota_is_refused_while_other_scopes_still_claim()
         .build();
     let fp = Fingerprint::from_bytes([3; 32]);
     let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(60));
-    let claim = |tenant: &'static str, key: &'static str| {
-        let store = store.clone();
-        async move {
-            let scope = ScopeId::new(Some(tenant));
-            let id = RecordId::new(Some(tenant), key);
-            store.claim_in_scope(&scope, &id, &fp, lease, ttl).await
-        }
-    };
+    let claim = |tenant, key| claim_in(&store, tenant, key, fp, lease, ttl);
     // Small in-progress records fit: the budget counts bytes, not records.
     let mut small = Vec::new();
     for key in ["s1", "s2", "s3"] {

@@ -16,13 +16,13 @@ use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::Full;
 use pg_support::{admin, eventually, store_in, TestSchema};
-use support::{body_bytes, body_json, post};
+use support::{body_bytes, post};
 use tokio::sync::{Barrier, Notify};
 use tower::{service_fn, Layer, ServiceExt};
 use tower_idempotency::store::postgres::PostgresStore;
 use tower_idempotency::store::IdempotencyStore;
 use tower_idempotency::{
-    ErrorKind, IdempotencyContext, IdempotencyError, IdempotencyLayer, RecordDecision, RequestBody,
+    ErrorKind, IdempotencyContext, IdempotencyLayer, RecordDecision, RequestBody,
 };
 
 const APP: &str = "tidem-layer";
@@ -221,22 +221,9 @@ async fn a_tenant_over_its_postgres_quota_gets_429_and_other_tenants_are_served(
         .with_max_records_per_scope(NonZeroUsize::new(2).unwrap());
     store.verify().await.unwrap();
     let calls = Arc::new(AtomicUsize::new(0));
-    let inner = {
-        let calls = calls.clone();
-        service_fn(move |_req: Request<RequestBody<Full<Bytes>>>| {
-            let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
-            async move {
-                let mut res = Response::new(Full::new(Bytes::from(format!("pay_{n}"))));
-                *res.status_mut() = StatusCode::CREATED;
-                Ok::<_, Infallible>(res)
-            }
-        })
-    };
+    let inner = support::counting_payments(calls.clone());
     let svc = IdempotencyLayer::new(store)
-        .with_scope(|req| {
-            let t = req.headers.get("x-tenant")?;
-            Some(t.to_str().ok()?.to_owned())
-        })
+        .with_scope(support::tenant_scope)
         .layer(inner);
     let send = |tenant: &str, key: &str| {
         let mut req = post("/pay", Some(key), "{}");
@@ -253,18 +240,8 @@ async fn a_tenant_over_its_postgres_quota_gets_429_and_other_tenants_are_served(
 
     let over = send("a", "k3").await.unwrap();
     assert_eq!(over.status(), StatusCode::TOO_MANY_REQUESTS);
-    assert_eq!(
-        over.extensions()
-            .get::<IdempotencyError>()
-            .map(|e| e.kind()),
-        Some(ErrorKind::QuotaExceeded)
-    );
-    assert_eq!(over.headers()["content-type"], "application/problem+json");
     assert_eq!(over.headers()["cache-control"], "no-store");
-    assert!(over.headers().get("idempotent-replayed").is_none());
-    let problem = body_json(over).await;
-    assert_eq!(problem["type"], ErrorKind::QuotaExceeded.type_uri());
-    assert_eq!(problem["status"], 429);
+    support::assert_problem(over, ErrorKind::QuotaExceeded).await;
     assert_eq!(
         calls.load(Ordering::SeqCst),
         2,

@@ -13,7 +13,7 @@ use http_body_util::{BodyExt, Full};
 use tower_idempotency::store::{
     ClaimOutcome, IdempotencyStore, MemoryStore, StoreError, StoreErrorKind,
 };
-use tower_idempotency::{Completion, Fingerprint, Record, RecordId, ScopeId, Token};
+use tower_idempotency::{Completion, Fingerprint, Record, RecordId, RequestBody, ScopeId, Token};
 
 /// Counts every store call, then delegates to a `MemoryStore`.
 #[derive(Debug, Default)]
@@ -159,6 +159,31 @@ where
     B::Error: std::fmt::Debug,
 {
     serde_json::from_slice(&body_bytes(res).await).unwrap()
+}
+
+/// Asserts that `res` is the layer's own problem+json answer of `kind` (never a replay), its
+/// status also in the body, and returns the problem.
+pub async fn assert_problem<B>(
+    res: Response<B>,
+    kind: tower_idempotency::ErrorKind,
+) -> serde_json::Value
+where
+    B: Body,
+    B::Error: std::fmt::Debug,
+{
+    let status = res.status();
+    assert_eq!(
+        res.extensions()
+            .get::<tower_idempotency::IdempotencyError>()
+            .map(|e| e.kind()),
+        Some(kind)
+    );
+    assert_eq!(res.headers()["content-type"], "application/problem+json");
+    assert!(res.headers().get("idempotent-replayed").is_none());
+    let problem = body_json(res).await;
+    assert_eq!(problem["type"], kind.type_uri());
+    assert_eq!(problem["status"], status.as_u16());
+    problem
 }
 
 pub fn counting() -> Arc<CountingStore> {
@@ -356,4 +381,27 @@ impl<S: IdempotencyStore> IdempotencyStore for FaultStore<S> {
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         self.run(Op::Get, self.inner.get(id)).await
     }
+}
+
+/// What the layer hands a handler in these tests.
+pub type LayerRequest = Request<RequestBody<Full<Bytes>>>;
+/// What [`counting_payments`] answers.
+pub type PaymentAnswer =
+    std::future::Ready<Result<Response<Full<Bytes>>, std::convert::Infallible>>;
+
+/// A payment handler for layer tests: answers 201 `pay_<n>`, `n` counting its runs.
+pub fn counting_payments(
+    calls: Arc<AtomicUsize>,
+) -> tower::util::ServiceFn<impl FnMut(LayerRequest) -> PaymentAnswer + Clone> {
+    tower::service_fn(move |_req: LayerRequest| {
+        let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
+        let mut res = Response::new(Full::new(Bytes::from(format!("pay_{n}"))));
+        *res.status_mut() = http::StatusCode::CREATED;
+        std::future::ready(Ok(res))
+    })
+}
+
+/// The scope function of tests with tenants: the request's `x-tenant` header.
+pub fn tenant_scope(req: &http::request::Parts) -> Option<String> {
+    Some(req.headers.get("x-tenant")?.to_str().ok()?.to_owned())
 }
