@@ -9,18 +9,20 @@
 mod common;
 use tower_idempotency::{conformance, conformance_suite};
 mod redis_harness;
+mod redis_quota;
 
 use std::num::NonZeroUsize;
 use std::sync::{Arc, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use conformance::{fp, response, unique_id, DynStore};
 use redis_harness::{RedisCluster, RedisServer};
+use redis_quota::{claim_in, scoped, token_of, TTL};
 use tower_idempotency::store::redis::{RedisStore, RedisStoreBuilder, SetupError};
 use tower_idempotency::store::{
-    ClaimOutcome, IdempotencyAdmin, IdempotencyStore, Removal, StoreError, StoreErrorKind,
+    ClaimOutcome, IdempotencyAdmin, IdempotencyStore, Removal, StoreErrorKind,
 };
-use tower_idempotency::{RecordId, RecordState, ScopeId, Token};
+use tower_idempotency::{RecordId, RecordState};
 
 /// The cluster shared by this binary's tests; `None` when the binaries are missing.
 fn cluster() -> Option<&'static RedisCluster> {
@@ -233,31 +235,6 @@ mod with_quotas {
     }
 }
 
-const LEASE: Duration = Duration::from_secs(30);
-const TTL: Duration = Duration::from_secs(600);
-
-/// A scope and record ids in it, unique to this run.
-fn scoped(label: &str) -> (ScopeId, impl Fn(&str) -> RecordId) {
-    let name = format!("{label}-{}-{:?}", std::process::id(), Instant::now());
-    let scope = ScopeId::new(Some(&name));
-    (scope, move |key: &str| RecordId::new(Some(&name), key))
-}
-
-async fn claim_in(
-    store: &RedisStore,
-    scope: &ScopeId,
-    id: &RecordId,
-) -> Result<ClaimOutcome, StoreError> {
-    store.claim_in_scope(scope, id, &fp(1), LEASE, TTL).await
-}
-
-fn token_of(outcome: ClaimOutcome) -> Token {
-    match outcome {
-        ClaimOutcome::Claimed(c) => c.token,
-        other @ ClaimOutcome::Existing(_) => panic!("expected Claimed, got {other:?}"),
-    }
-}
-
 /// The key of `id`'s scope group: its records (`'s'`) or its counts (`'b'`).
 fn group_key(store: &RedisStore, id: &RecordId, which: char) -> String {
     let key = store.key(id);
@@ -278,43 +255,9 @@ async fn a_full_scope_refuses_new_keys_on_a_cluster_while_its_records_replay() {
     let Some(store) = quota_store(Some(2), None).await else {
         return;
     };
-    let (a, in_a) = scoped("tenant-a");
-    let (b, in_b) = scoped("tenant-b");
-    let first = token_of(claim_in(&store, &a, &in_a("k1")).await.unwrap());
-    let second = token_of(claim_in(&store, &a, &in_a("k2")).await.unwrap());
-    let err = claim_in(&store, &a, &in_a("k3")).await.unwrap_err();
-    assert_eq!(err.kind(), StoreErrorKind::QuotaExceeded, "{err:?}");
-    assert!(
-        store.get(&in_a("k3")).await.unwrap().is_none(),
-        "a refused claim writes nothing"
-    );
-
-    // The scope's own records still answer: a retry in progress, then a replay.
-    match claim_in(&store, &a, &in_a("k1")).await.unwrap() {
-        ClaimOutcome::Existing(r) => assert!(matches!(r.state, RecordState::InProgress { .. })),
-        other @ ClaimOutcome::Claimed(_) => panic!("{other:?}"),
-    }
-    store.extend(&in_a("k1"), &first, LEASE).await.unwrap();
-    store
-        .complete(&in_a("k1"), &first, &response(201, "kept"), TTL)
-        .await
-        .unwrap();
-    match claim_in(&store, &a, &in_a("k1")).await.unwrap() {
-        ClaimOutcome::Existing(r) => {
-            assert_eq!(r.state, RecordState::Completed(response(201, "kept")))
-        }
-        other @ ClaimOutcome::Claimed(_) => panic!("{other:?}"),
-    }
-    // Another tenant is not affected.
-    token_of(claim_in(&store, &b, &in_b("k1")).await.unwrap());
-
-    // A release gives the scope its record back at once.
-    store.release(&in_a("k2"), &second).await.unwrap();
-    token_of(claim_in(&store, &a, &in_a("k3")).await.unwrap());
-    let err = claim_in(&store, &a, &in_a("k4")).await.unwrap_err();
-    assert_eq!(err.kind(), StoreErrorKind::QuotaExceeded, "{err:?}");
-
-    // And so does the operator's delete.
+    let (a, in_a) =
+        redis_quota::a_full_scope_refuses_new_keys_while_its_records_answer(&store, true).await;
+    // As a release does, the operator's delete gives the scope its record back.
     assert_eq!(store.delete(&in_a("k1")).await.unwrap(), Removal::Removed);
     token_of(claim_in(&store, &a, &in_a("k4")).await.unwrap());
 }

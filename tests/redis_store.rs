@@ -16,10 +16,10 @@ use conformance::{fp, response, unique_id, DynStore};
 use redis_harness::{RedisServer, WithServer};
 use tower_idempotency::store::redis::{redis, RedisStore, ReplicationShortfall, SetupError};
 use tower_idempotency::store::{ClaimOutcome, IdempotencyStore, StoreErrorKind};
-use tower_idempotency::{RecordId, RecordState, ScopeId, Token};
+use tower_idempotency::{RecordId, RecordState, Token};
 
-const LEASE: Duration = Duration::from_secs(30);
-const TTL: Duration = Duration::from_secs(600);
+mod redis_quota;
+use redis_quota::{claim_in, scoped, token_of, LEASE, TTL};
 
 /// The shared Redis from `IDEMPOTENCY_TEST_REDIS_URL`, or `None` (skipped).
 async fn shared_store() -> Option<RedisStore> {
@@ -391,11 +391,7 @@ async fn a_full_redis_with_quotas_replays_and_releases_and_keeps_counts_whole() 
             .await
             .unwrap(),
     );
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while store.get(&brief).await.unwrap().is_some() {
-        assert!(Instant::now() < deadline, "the record never expired");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    redis_quota::wait_until_expired(&store, &brief).await;
     fill_up(&server).await;
 
     let err = claim_in(&store, &a, &in_a("new")).await.unwrap_err();
@@ -914,13 +910,6 @@ async fn setup_errors_say_why_and_come_within_the_timeout() {
     );
 }
 
-/// A scope and record ids in it, unique to this run.
-fn scoped(label: &str) -> (ScopeId, impl Fn(&str) -> RecordId) {
-    let name = format!("{label}-{}-{:?}", std::process::id(), Instant::now());
-    let scope = ScopeId::new(Some(&name));
-    (scope, move |key: &str| RecordId::new(Some(&name), key))
-}
-
 async fn quota_store(records: Option<usize>, bytes: Option<usize>) -> Option<(RedisStore, String)> {
     let url = common::backend_url("IDEMPOTENCY_TEST_REDIS_URL")?;
     let prefix = format!(
@@ -946,60 +935,13 @@ fn group_key(store: &RedisStore, id: &RecordId, which: char) -> String {
     format!("{head}}}{which}")
 }
 
-async fn claim_in(
-    store: &RedisStore,
-    scope: &ScopeId,
-    id: &RecordId,
-) -> Result<ClaimOutcome, tower_idempotency::store::StoreError> {
-    store.claim_in_scope(scope, id, &fp(1), LEASE, TTL).await
-}
-
-fn token_of(outcome: ClaimOutcome) -> Token {
-    match outcome {
-        ClaimOutcome::Claimed(c) => c.token,
-        other @ ClaimOutcome::Existing(_) => panic!("expected Claimed, got {other:?}"),
-    }
-}
-
 #[tokio::test]
 async fn a_full_scope_refuses_new_keys_while_its_records_replay_and_other_scopes_claim() {
     let Some((store, _)) = quota_store(Some(2), None).await else {
         return;
     };
-    let (a, in_a) = scoped("tenant-a");
-    let (b, in_b) = scoped("tenant-b");
-    let first = token_of(claim_in(&store, &a, &in_a("k1")).await.unwrap());
-    let second = token_of(claim_in(&store, &a, &in_a("k2")).await.unwrap());
-    let err = claim_in(&store, &a, &in_a("k3")).await.unwrap_err();
-    assert_eq!(err.kind(), StoreErrorKind::QuotaExceeded, "{err:?}");
-    assert!(
-        store.get(&in_a("k3")).await.unwrap().is_none(),
-        "a refused claim writes nothing"
-    );
-
-    // The scope's own records still answer: a retry in progress, then a replay.
-    match claim_in(&store, &a, &in_a("k1")).await.unwrap() {
-        ClaimOutcome::Existing(r) => assert!(matches!(r.state, RecordState::InProgress { .. })),
-        other @ ClaimOutcome::Claimed(_) => panic!("{other:?}"),
-    }
-    store
-        .complete(&in_a("k1"), &first, &response(201, "kept"), TTL)
-        .await
-        .unwrap();
-    match claim_in(&store, &a, &in_a("k1")).await.unwrap() {
-        ClaimOutcome::Existing(r) => {
-            assert_eq!(r.state, RecordState::Completed(response(201, "kept")))
-        }
-        other @ ClaimOutcome::Claimed(_) => panic!("{other:?}"),
-    }
-    // Another tenant is not affected.
-    token_of(claim_in(&store, &b, &in_b("k1")).await.unwrap());
-
-    // A release gives the scope its record back at once.
-    store.release(&in_a("k2"), &second).await.unwrap();
-    token_of(claim_in(&store, &a, &in_a("k3")).await.unwrap());
-    let err = claim_in(&store, &a, &in_a("k4")).await.unwrap_err();
-    assert_eq!(err.kind(), StoreErrorKind::QuotaExceeded, "{err:?}");
+    let _ =
+        redis_quota::a_full_scope_refuses_new_keys_while_its_records_answer(&store, false).await;
 }
 
 #[tokio::test]
@@ -1017,11 +959,7 @@ async fn expired_records_leave_the_scope_by_redis_clock() {
     let err = claim_in(&store, &a, &in_a("k2")).await.unwrap_err();
     assert_eq!(err.kind(), StoreErrorKind::QuotaExceeded, "{err:?}");
     // Wait for Redis to expire the record (bounded), then the scope has room again.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while store.get(&in_a("k1")).await.unwrap().is_some() {
-        assert!(Instant::now() < deadline, "the record never expired");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    redis_quota::wait_until_expired(&store, &in_a("k1")).await;
     token_of(claim_in(&store, &a, &in_a("k2")).await.unwrap());
 }
 
@@ -1039,11 +977,7 @@ async fn an_expired_record_leaves_its_scopes_counts_when_a_claim_prunes_it() {
             .await
             .unwrap(),
     );
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while store.get(&old).await.unwrap().is_some() {
-        assert!(Instant::now() < deadline, "the record never expired");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    redis_quota::wait_until_expired(&store, &old).await;
     token_of(claim_in(&store, &a, &in_a("k2")).await.unwrap());
     let mut con = redis::Client::open(url.as_str())
         .unwrap()
