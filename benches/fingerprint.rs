@@ -41,7 +41,11 @@ fn count_only() -> bool {
     else {
         return false;
     };
-    let body = order_json(items);
+    // `FINGERPRINT_FILE=<path>` times that body instead (the item count is then unused).
+    let body = match std::env::var_os("FINGERPRINT_FILE") {
+        Some(path) => std::fs::read(path).expect("FINGERPRINT_FILE is readable"),
+        None => order_json(items),
+    };
     let rounds = std::env::var("FINGERPRINT_ROUNDS")
         .ok()
         .and_then(|v| v.parse().ok())
