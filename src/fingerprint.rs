@@ -1445,13 +1445,33 @@ fn digits_end(s: &[u8], mut i: usize) -> usize {
 }
 
 fn hex4(s: &[u8], i: usize) -> Option<u16> {
-    let mut unit = 0u16;
-    for &b in s.get(i..i + 4)? {
-        let d = (b as char).to_digit(16)?;
-        unit = unit << 4 | d as u16;
+    let [a, b, c, d] = *s.get(i..)?.first_chunk::<4>()?;
+    let v = |h: u8| HEX_VALUE[usize::from(h)];
+    let (a, b, c, d) = (v(a), v(b), v(c), v(d));
+    // Each is 0-15, or 0xff for a byte that is not a hex digit.
+    if (a | b | c | d) > 0xf {
+        return None;
     }
-    Some(unit)
+    Some(u16::from(a) << 12 | u16::from(b) << 8 | u16::from(c) << 4 | u16::from(d))
 }
+
+/// Hex digits' values, by byte; `0xff` for other bytes.
+const HEX_VALUE: [u8; 256] = {
+    let mut t = [0xff; 256];
+    let mut i = 0;
+    while i < 10 {
+        t[b'0' as usize + i] = i as u8;
+        i += 1;
+    }
+    let mut i = 0;
+    while i < 6 {
+        t[b'a' as usize + i] = 10 + i as u8;
+        t[b'A' as usize + i] = 10 + i as u8;
+        i += 1;
+    }
+    t
+};
+
 
 const HEX: &[u8; 16] = b"0123456789abcdef";
 
