@@ -1176,8 +1176,10 @@ impl Canon<'_, '_> {
         }
         let body = start + 1;
         if in_input {
-            self.pending.1 = body.wrapping_add(delta);
-            self.flush();
+            // One copy: the run before the object, its `{` and its members as they are, to
+            // be overwritten in order below.
+            let from = self.pending.0;
+            self.out.extend_from_slice(&self.s[from..members_end]);
         }
         let members = &self.members[base..];
         let nth = |k: usize| {
@@ -1189,7 +1191,7 @@ impl Canon<'_, '_> {
         };
         // Past a few KiB, hashing the members in order where they lie beats moving them
         // twice; below, the extra SHA-256 calls cost more than the copies.
-        let large = self.out.len() - body >= DEFER_TOP_MIN;
+        let large = !in_input && self.out.len() - body >= DEFER_TOP_MIN;
         if let (false, true, true, Some(order)) = (in_input, top, large, self.top.as_mut()) {
             // The outermost object, already in `out`: leave its bytes where they are and
             // record the order to hash them in.
@@ -1207,8 +1209,6 @@ impl Canon<'_, '_> {
         // the input or from a copy, each with a few fixed-size moves rather than a `memcpy`
         // call.
         let (src, delta) = if in_input {
-            self.out
-                .extend_from_slice(&self.s[body.wrapping_add(delta)..members_end]);
             (self.s, delta)
         } else {
             self.scratch.clear();
