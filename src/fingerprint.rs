@@ -1422,10 +1422,22 @@ impl Canon<'_, '_> {
     }
 }
 
-/// Skips bytes that stand for themselves inside a string, 8 at a time: stops at `"`, `\`
-/// or a control. Stops only on ASCII, so it leaves char boundaries.
+/// Skips bytes that stand for themselves inside a string: stops at `"`, `\` or a control.
+/// Stops only on ASCII, so it leaves char boundaries.
+///
+/// The first 16 bytes one at a time, then 8 at a time. Where a short string ends then comes
+/// from branches the CPU predicts (an API's keys and values repeat their lengths), not from a
+/// word's bits, which the next token's every step would wait on: the 8-byte scan alone cost
+/// a 1 KB body 4% more CPU time. Long strings still take the wide steps.
 #[inline(always)]
 fn plain_end(s: &[u8], mut i: usize) -> usize {
+    let narrow_end = i + 16;
+    while i < narrow_end {
+        match s.get(i) {
+            Some(&b) if !SPECIAL[usize::from(b)] => i += 1,
+            _ => return i,
+        }
+    }
     while let Some(chunk) = s.get(i..i + 8) {
         let mut word = [0; 8];
         word.copy_from_slice(chunk);
