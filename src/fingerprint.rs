@@ -1458,7 +1458,7 @@ fn plain_end(s: &[u8], mut i: usize) -> usize {
     i
 }
 
-/// The high bit of each byte of `w` (little-endian: the first byte lowest) that is `"`, `\\`
+/// The high bit of each byte of `w` (little-endian: the first byte lowest) that is `"`, `\`
 /// or a control, exact for the lowest one (a borrow can flag a byte above it).
 #[inline(always)]
 fn specials(w: u64) -> u64 {
