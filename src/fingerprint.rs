@@ -31,10 +31,13 @@
 //! and copies input that is already canonical in runs rather than token by token: `serde_json`
 //! keeps the last of duplicate keys and, without its global `arbitrary_precision` feature,
 //! loses number literals. Documents without excluded fields take a leaner loop
-//! ([`Canon::run_plain`]) than those with ([`Canon::run`]); a property test holds them to the
-//! same output. The fingerprint hashes an unsorted outermost object's members in sorted order
-//! where they lie ([`hash_canonical`]) instead of moving the whole body into order: the same
-//! bytes reach SHA-256, and a property test holds the digest to the canonical text.
+//! ([`Canon::run_plain`]) than those with ([`Canon::run`]); property tests hold them to the
+//! same output. That loop knows an object is already in order from its keys as it reads them,
+//! and an object whose keys match a recently sorted one's ([`KeyOrder`], kept per thread)
+//! takes that order without comparing. The fingerprint hashes an unsorted outermost object's
+//! members in sorted order where they lie ([`hash_canonical`]) instead of moving the whole
+//! body into order: the same bytes reach SHA-256, and a property test holds the digest to the
+//! canonical text.
 
 use std::cell::RefCell;
 use std::cmp::Ordering;
