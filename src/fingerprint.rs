@@ -1225,15 +1225,24 @@ impl Canon<'_, '_> {
         };
         let dst = self.out.get_mut(body..)?;
         let mut w = 0;
-        for k in 0..n {
-            if k > 0 {
+        let mut put = |m: &Member| -> Option<()> {
+            if w > 0 {
                 *dst.get_mut(w)? = b',';
                 w += 1;
             }
-            let m = nth(k);
-            let bytes = &src[m.key.wrapping_add(delta)..m.end.wrapping_add(delta)];
+            let bytes = src.get(m.key.wrapping_add(delta)..m.end.wrapping_add(delta))?;
             copy_short(dst.get_mut(w..w + bytes.len())?, bytes);
             w += bytes.len();
+            Some(())
+        };
+        if small {
+            for &k in &order[..n] {
+                put(members.get(usize::from(k))?)?;
+            }
+        } else {
+            for m in members {
+                put(m)?;
+            }
         }
         debug_assert_eq!(w, dst.len());
         self.members.truncate(base);
