@@ -920,14 +920,22 @@ impl Canon<'_, '_> {
                         Some(b'.') => {
                             // `d.ddd` that is its double's ECMAScript form: as written.
                             let frac_end = digits_end(s, end + 1);
-                            let plain = !matches!(s.get(frac_end), Some(b'e' | b'E'))
-                                && frac_end > end + 1
-                                && plain_decimal_is_canonical(
-                                    &s[digits..end],
-                                    &s[end + 1..frac_end],
-                                );
-                            if plain {
+                            let decimal =
+                                !matches!(s.get(frac_end), Some(b'e' | b'E')) && frac_end > end + 1;
+                            let (int, frac) = (&s[digits..end], &s[end + 1..frac_end]);
+                            let negative = digits > i;
+                            if decimal && plain_decimal_is_canonical(int, frac) {
                                 i = frac_end;
+                            } else if let Some(kept) = decimal
+                                .then(|| without_trailing_zeros(negative, int, frac))
+                                .flatten()
+                            {
+                                // Canonical once its trailing zeros go (`10.50`, `3.0`): the
+                                // run ends before them and starts again after.
+                                let cut = if kept == 0 { end } else { end + 1 + kept };
+                                self.out.extend_from_slice(&s[ps..cut]);
+                                i = frac_end;
+                                ps = i;
                             } else {
                                 call!(self.number())?;
                             }
@@ -1688,6 +1696,22 @@ fn plain_decimal_is_canonical(int: &[u8], frac: &[u8]) -> bool {
     significant <= 15
 }
 
+/// For a decimal `int.frac` (no exponent) with trailing zeros: how many digits of `frac` its
+/// ECMAScript form keeps, when that form is the literal without those zeros (and without the
+/// point when none are left); `None` when it is another form, which [`Canon::number`] writes.
+/// Amounts written with a fixed number of decimals (`10.50`, `3.00`) take this way.
+fn without_trailing_zeros(negative: bool, int: &[u8], frac: &[u8]) -> Option<usize> {
+    let kept = frac.len() - frac.iter().rev().take_while(|&&d| d == b'0').count();
+    if kept == frac.len() {
+        return None; // no trailing zeros: not canonical for another reason
+    }
+    if kept == 0 {
+        // An integer of up to 15 digits is below 2^53 and written as is; `-0` is written `0`.
+        return (int.len() <= 15 && !(negative && int == b"0")).then_some(0);
+    }
+    plain_decimal_is_canonical(int, &frac[..kept]).then_some(kept)
+}
+
 /// A decimal's value: sign, the significant digits `a` then `b` (no leading or trailing
 /// zeros; both empty for zero), and the exponent of the last digit.
 #[derive(Debug)]
@@ -2346,6 +2370,37 @@ mod tests {
         let mut twice = keys.clone();
         twice[39] = twice[3].clone();
         assert_eq!(jcs(&doc(&twice)), None);
+    }
+
+    #[test]
+    fn decimals_with_trailing_zeros_are_written_without_them() {
+        let never = [JsonPointer::parse("/never").unwrap()];
+        for (literal, canonical) in [
+            ("10.50", "10.5"),
+            ("3.0", "3"),
+            ("0.00", "0"),
+            ("-0.00", "0"),
+            ("-5.50", "-5.5"),
+            ("100.000", "100"),
+            ("0.0000010", "0.000001"),
+            ("0.00000010", "1e-7"),
+            ("123456789012345.0", "123456789012345"),
+            ("1234567890123456.0", "1234567890123456"),
+            ("12345678901234567.0", "#12345678901234567e0"),
+            ("0.1000000000000000000000", "0.1"),
+            ("1.2345678901234560", "1.234567890123456"),
+        ] {
+            // Alone, and in an array where the run goes on after the number.
+            let doc = format!("[{literal},{literal}]");
+            let expected = format!("[{canonical},{canonical}]");
+            assert_eq!(jcs(&doc).as_deref(), Some(&*expected), "{literal}");
+            // The general loop writes every such number through `Canon::number`.
+            assert_eq!(
+                canonical_json(doc.as_bytes(), &[]),
+                canonical_json(doc.as_bytes(), &never),
+                "{literal}"
+            );
+        }
     }
 
     #[test]
