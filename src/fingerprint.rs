@@ -3213,17 +3213,35 @@ mod tests {
         }
 
         #[test]
-        fn no_json_like_input_panics(tokens in prop::collection::vec(0usize..TOKENS.len(), 0..40)) {
-            let doc: String = tokens.iter().map(|&t| TOKENS[t]).collect();
+        fn no_json_like_input_panics(
+            tokens in prop::collection::vec(0usize..TOKENS.len() + RAW_BYTES.len(), 0..40),
+        ) {
+            // Tokens, and now and then bytes that are not UTF-8 (which both loops check only
+            // after a string held a byte above 0x7f).
+            let doc: Vec<u8> = tokens
+                .iter()
+                .flat_map(|&t| match TOKENS.get(t) {
+                    Some(token) => token.as_bytes(),
+                    None => RAW_BYTES[t - TOKENS.len()],
+                })
+                .copied()
+                .collect();
+            let shown = String::from_utf8_lossy(&doc);
             let pointers = [JsonPointer::parse("/a").unwrap(), JsonPointer::parse("/0/a").unwrap()];
-            let plain = canonical_json(doc.as_bytes(), &[]);
+            let plain = canonical_json(&doc, &[]);
             let never = [JsonPointer::parse("/no key is this long").unwrap()];
-            prop_assert_eq!(&plain, &canonical_json(doc.as_bytes(), &never), "{}", doc);
-            let _ = canonical_json(doc.as_bytes(), &pointers);
+            prop_assert_eq!(&plain, &canonical_json(&doc, &never), "{}", shown);
+            if plain.is_some() {
+                prop_assert!(std::str::from_utf8(&doc).is_ok(), "{}", shown);
+            }
+            let _ = canonical_json(&doc, &pointers);
             let want = plain.as_deref().map(|t| <[u8; 32]>::from(Sha256::digest(t)));
-            prop_assert_eq!(canonical_json_digest(doc.as_bytes()), want, "{}", doc);
+            prop_assert_eq!(canonical_json_digest(&doc), want, "{}", shown);
         }
     }
+
+    /// Pieces of UTF-8 that are invalid alone or in the wrong order.
+    const RAW_BYTES: &[&[u8]] = &[b"\xff", b"\xc3", b"\xa9", b"\xed\xa0\x80", b"\xf0\x9f"];
 
     const TOKENS: &[&str] = &[
         "{",
