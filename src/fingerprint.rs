@@ -978,6 +978,11 @@ impl Canon<'_, '_> {
                             if f.sorted {
                                 self.members.truncate(f.members);
                                 i += 1;
+                            } else if !open.is_empty()
+                                && self.close_known(f.start, f.members, ps, i)?
+                            {
+                                i += 1;
+                                ps = i;
                             } else {
                                 let top = open.is_empty();
                                 self.i = i + 1;
@@ -1095,6 +1100,62 @@ impl Canon<'_, '_> {
 
     /// At the end of an object: sorts its members (RFC 8785 3.2.3: by UTF-16 code units),
     /// refuses duplicate keys, and writes them back in order if they were not.
+    /// [`Canon::close_members`] for the usual unsorted object: not the outermost, and with
+    /// keys whose order is remembered ([`KeyOrder`]), so that it is moved without comparing.
+    /// A lean path of its own: the general one's set-up cost more than the moves (callgrind,
+    /// the bench's 966 B order: 452 instructions a close, 4.5 members on average).
+    /// `s[ps..i]` is the pending input run, `i` at the `}`. Returns whether it closed the
+    /// object (its `}` written and no run pending); if not, it did nothing.
+    fn close_known(&mut self, start: usize, base: usize, ps: usize, i: usize) -> Option<bool> {
+        let members = self.members.get(base..)?;
+        let n = members.len();
+        let Some(o) = self.orders.get(n % KEY_ORDERS) else {
+            return Some(false);
+        };
+        let known = o.n == n
+            && o.moved
+            && members
+                .iter()
+                .zip(&o.prefixes)
+                .fold(true, |same, (m, &p)| same & m.simple & (m.prefix == p));
+        if !known {
+            return Some(false);
+        }
+        let order = o.order;
+        let s = self.s;
+        let body = start + 1;
+        // Where the members' bytes are: in the input when the whole object was in the run
+        // (output position `p` is input `p + delta`), else copied aside from `out`. Either way
+        // `out` then holds them unsorted, to be overwritten in order.
+        let in_input = start >= self.out.len();
+        let delta = ps.wrapping_sub(self.out.len());
+        self.out.extend_from_slice(s.get(ps..i)?);
+        let (src, delta) = if in_input {
+            (s, delta)
+        } else {
+            self.scratch.clear();
+            self.scratch.extend_from_slice(self.out.get(body..)?);
+            (&self.scratch[..], body.wrapping_neg())
+        };
+        let dst = self.out.get_mut(body..)?;
+        let mut w = 0;
+        for &k in order.get(..n)? {
+            let m = members.get(usize::from(k))?;
+            let bytes = src.get(m.key.wrapping_add(delta)..m.end.wrapping_add(delta))?;
+            copy_short(dst.get_mut(w..w + bytes.len())?, bytes);
+            w += bytes.len();
+            // A comma after each member but the last, which ends `dst`.
+            if let Some(comma) = dst.get_mut(w) {
+                *comma = b',';
+                w += 1;
+            }
+        }
+        debug_assert_eq!(w, dst.len());
+        self.members.truncate(base);
+        self.out.push(b'}');
+        Some(true)
+    }
+
     fn close_object(&mut self) -> Option<()> {
         let f = self.stack.pop()?;
         self.close_members(f.start, f.members, self.stack.is_empty())
