@@ -1391,46 +1391,53 @@ impl Canon<'_, '_> {
             b'u' => {}
             _ => return None,
         }
-        let unit = hex4(s, i + 2)?;
-        let mut end = i + 6;
-        let cp = match unit {
-            0xD800..=0xDBFF => match (s.get(end..end + 2), hex4(s, end + 2)) {
-                (Some(b"\\u"), Some(lo @ 0xDC00..=0xDFFF)) => {
-                    end += 6;
-                    0x10000 + ((u32::from(unit) - 0xD800) << 10) + (u32::from(lo) - 0xDC00)
-                }
-                _ => {
-                    write_unit_escape(unit, self.out());
+        let out = self.out();
+        let mut end = i;
+        // `\u` escapes come in runs (a client escaping all non-ASCII text): decoded here one
+        // after another, without going back through the string loop for each.
+        loop {
+            let unit = hex4(s, end + 2)?;
+            end += 6;
+            let cp = match unit {
+                0xD800..=0xDBFF => match (s.get(end..end + 2), hex4(s, end + 2)) {
+                    (Some(b"\\u"), Some(lo @ 0xDC00..=0xDFFF)) => {
+                        end += 6;
+                        0x10000 + ((u32::from(unit) - 0xD800) << 10) + (u32::from(lo) - 0xDC00)
+                    }
+                    _ => {
+                        write_unit_escape(unit, out);
+                        return Some(end);
+                    }
+                },
+                0xDC00..=0xDFFF => {
+                    write_unit_escape(unit, out);
                     return Some(end);
                 }
-            },
-            0xDC00..=0xDFFF => {
-                write_unit_escape(unit, self.out());
+                _ => u32::from(unit),
+            };
+            // UTF-8 by hand: `encode_utf8` and a slice copy cost a call each.
+            match cp {
+                0x22 | 0x5c | 0..=0x1f => escape_char(cp as u8, out),
+                0..=0x7f => out.push(cp as u8),
+                0x80..=0x7ff => {
+                    out.extend_from_slice(&[0xc0 | (cp >> 6) as u8, 0x80 | (cp & 0x3f) as u8])
+                }
+                0x800..=0xffff => out.extend_from_slice(&[
+                    0xe0 | (cp >> 12) as u8,
+                    0x80 | (cp >> 6 & 0x3f) as u8,
+                    0x80 | (cp & 0x3f) as u8,
+                ]),
+                _ => out.extend_from_slice(&[
+                    0xf0 | (cp >> 18) as u8,
+                    0x80 | (cp >> 12 & 0x3f) as u8,
+                    0x80 | (cp >> 6 & 0x3f) as u8,
+                    0x80 | (cp & 0x3f) as u8,
+                ]),
+            }
+            if s.get(end..end + 2) != Some(b"\\u") {
                 return Some(end);
             }
-            _ => u32::from(unit),
-        };
-        let out = self.out();
-        // UTF-8 by hand: `encode_utf8` and a slice copy cost a call each.
-        match cp {
-            0x22 | 0x5c | 0..=0x1f => escape_char(cp as u8, out),
-            0..=0x7f => out.push(cp as u8),
-            0x80..=0x7ff => {
-                out.extend_from_slice(&[0xc0 | (cp >> 6) as u8, 0x80 | (cp & 0x3f) as u8])
-            }
-            0x800..=0xffff => out.extend_from_slice(&[
-                0xe0 | (cp >> 12) as u8,
-                0x80 | (cp >> 6 & 0x3f) as u8,
-                0x80 | (cp & 0x3f) as u8,
-            ]),
-            _ => out.extend_from_slice(&[
-                0xf0 | (cp >> 18) as u8,
-                0x80 | (cp >> 12 & 0x3f) as u8,
-                0x80 | (cp >> 6 & 0x3f) as u8,
-                0x80 | (cp & 0x3f) as u8,
-            ]),
         }
-        Some(end)
     }
 
     /// Writes a number literal's canonical form; see the module docs.
