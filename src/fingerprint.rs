@@ -587,6 +587,10 @@ struct KeyOrder {
     prefixes: [u64; 16],
     order: [u8; 16],
     moved: bool,
+    /// The order as runs of members that stay side by side, `(first, count)`: each run is
+    /// moved in one copy, commas and all.
+    runs: [(u8, u8); 16],
+    run_count: usize,
 }
 
 /// Slots in `Canon::orders`, chosen by member count.
@@ -1121,7 +1125,7 @@ impl Canon<'_, '_> {
         if !known {
             return Some(false);
         }
-        let order = o.order;
+        let (runs, run_count) = (o.runs, o.run_count);
         let s = self.s;
         let body = start + 1;
         // Where the members' bytes are: in the input when the whole object was in the run
@@ -1139,9 +1143,13 @@ impl Canon<'_, '_> {
         };
         let dst = self.out.get_mut(body..)?;
         let mut w = 0;
-        for &k in order.get(..n)? {
-            let m = members.get(usize::from(k))?;
-            let bytes = src.get(m.key.wrapping_add(delta)..m.end.wrapping_add(delta))?;
+        for &(first, count) in runs.get(..run_count)? {
+            let first = usize::from(first);
+            let (a, b) = (
+                members.get(first)?,
+                members.get(first + usize::from(count) - 1)?,
+            );
+            let bytes = src.get(a.key.wrapping_add(delta)..b.end.wrapping_add(delta))?;
             copy_short(dst.get_mut(w..w + bytes.len())?, bytes);
             w += bytes.len();
             // A comma after each member but the last, which ends `dst`.
@@ -1235,6 +1243,15 @@ impl Canon<'_, '_> {
                     *p = m.prefix;
                 }
                 (o.order, o.moved) = (order, moved);
+                o.run_count = 0;
+                for (k, &m) in order[..n].iter().enumerate() {
+                    if k > 0 && order[k - 1] + 1 == m {
+                        o.runs.get_mut(o.run_count - 1)?.1 += 1;
+                    } else {
+                        *o.runs.get_mut(o.run_count)? = (m, 1);
+                        o.run_count += 1;
+                    }
+                }
             }
         } else if !members
             .windows(2)
