@@ -1609,20 +1609,23 @@ fn specials(w: u64) -> u64 {
 #[inline(always)]
 fn copy_short(dst: &mut [u8], src: &[u8]) {
     let n = src.len();
+    // Whole-array moves (a load and a store each), not `copy_from_slice`: LLVM merged those
+    // fixed-size copies into the `memcpy` call below, one call per member (callgrind).
+    macro_rules! two_moves {
+        ($w:literal) => {{
+            if let (Some(d), Some(s)) = (dst.first_chunk_mut::<$w>(), src.first_chunk::<$w>()) {
+                *d = *s;
+            }
+            if let (Some(d), Some(s)) = (dst.last_chunk_mut::<$w>(), src.last_chunk::<$w>()) {
+                *d = *s;
+            }
+        }};
+    }
     match n {
         _ if dst.len() != n => {}
-        16..=32 => {
-            dst[..16].copy_from_slice(&src[..16]);
-            dst[n - 16..].copy_from_slice(&src[n - 16..]);
-        }
-        8..=15 => {
-            dst[..8].copy_from_slice(&src[..8]);
-            dst[n - 8..].copy_from_slice(&src[n - 8..]);
-        }
-        4..=7 => {
-            dst[..4].copy_from_slice(&src[..4]);
-            dst[n - 4..].copy_from_slice(&src[n - 4..]);
-        }
+        16..=32 => two_moves!(16),
+        8..=15 => two_moves!(8),
+        4..=7 => two_moves!(4),
         0..=3 => {
             for (d, s) in dst.iter_mut().zip(src) {
                 *d = *s;
