@@ -1606,7 +1606,7 @@ fn specials(w: u64) -> u64 {
 }
 
 /// `dst.copy_from_slice(src)` in one or two fixed-size moves when short (members are mostly
-/// under 32 bytes), where `copy_from_slice` would call `memcpy`.
+/// under 64 bytes), where `copy_from_slice` would call `memcpy`.
 #[inline(always)]
 fn copy_short(dst: &mut [u8], src: &[u8]) {
     let n = src.len();
@@ -1624,6 +1624,7 @@ fn copy_short(dst: &mut [u8], src: &[u8]) {
     }
     match n {
         _ if dst.len() != n => {}
+        33..=64 => two_moves!(32),
         16..=32 => two_moves!(16),
         8..=15 => two_moves!(8),
         4..=7 => two_moves!(4),
