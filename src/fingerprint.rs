@@ -1371,37 +1371,41 @@ impl Canon<'_, '_> {
     #[inline(never)]
     fn string_rest(&mut self, mut i: usize) -> Option<()> {
         let s = self.s;
+        // The pending run reaches `i`. Canonical text and canonical escapes only lengthen it,
+        // so its end is stored only where something else is written, and on leaving.
+        debug_assert_eq!(self.pending.1, i);
         loop {
             match *s.get(i)? {
                 b'"' => {
-                    self.emit(i, i + 1);
+                    self.pending.1 = i + 1;
                     self.i = i + 1;
                     return Some(());
                 }
-                b'\\' => i = self.escape(i)?,
+                b'\\' => match *s.get(i + 1)? {
+                    b'"' | b'\\' | b'b' | b'f' | b'n' | b'r' | b't' => i += 2,
+                    _ => {
+                        self.pending.1 = i;
+                        i = self.escape(i)?;
+                        self.pending = (i, i);
+                    }
+                },
                 // Stands for itself, like ASCII; the body's UTF-8 is checked at the end.
                 0x80.. => self.non_ascii = true,
                 _ => return None, // raw control character
             }
-            let run = if self.non_ascii {
+            i = if self.non_ascii {
                 plain_end::<false>(s, i)
             } else {
                 plain_end::<true>(s, i)
             };
-            self.emit(i, run);
-            i = run;
         }
     }
 
-    /// At a backslash: writes the escaped character canonically; returns where it ends.
+    /// At a backslash that is not a canonical escape ([`Canon::string_rest`] keeps those in
+    /// the run): writes the escaped character canonically; returns where it ends.
     fn escape(&mut self, i: usize) -> Option<usize> {
         let s = self.s;
         match *s.get(i + 1)? {
-            // Already canonical: stays in the pending run.
-            b'"' | b'\\' | b'b' | b'f' | b'n' | b'r' | b't' => {
-                self.emit(i, i + 2);
-                return Some(i + 2);
-            }
             b'/' => {
                 self.out().push(b'/');
                 return Some(i + 2);
