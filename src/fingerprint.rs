@@ -1102,8 +1102,6 @@ impl Canon<'_, '_> {
         Some((item_active, self.active.len()))
     }
 
-    /// At the end of an object: sorts its members (RFC 8785 3.2.3: by UTF-16 code units),
-    /// refuses duplicate keys, and writes them back in order if they were not.
     /// [`Canon::close_members`] for the usual unsorted object: not the outermost, and with
     /// keys whose order is remembered ([`KeyOrder`]), so that it is moved without comparing.
     /// A lean path of its own, moving the order's runs of members: the general path's set-up
@@ -1165,6 +1163,8 @@ impl Canon<'_, '_> {
         Some(true)
     }
 
+    /// At the end of an object: sorts its members (RFC 8785 3.2.3: by UTF-16 code units),
+    /// refuses duplicate keys, and writes them back in order if they were not.
     fn close_object(&mut self) -> Option<()> {
         let f = self.stack.pop()?;
         self.close_members(f.start, f.members, self.stack.is_empty())
