@@ -845,9 +845,11 @@ impl Canon<'_, '_> {
                         }
                         _ => key_prefix(content),
                     };
-                    // An ASCII prefix of a key of up to 8 bytes is the whole key.
-                    simple = (content.len() <= 8 && prefix & 0x8080_8080_8080_8080 == 0)
-                        || content.iter().all(|&b| b < 0xF0);
+                    // The ASCII scan stopped at the closing quote: no escape and no byte
+                    // above 0x7f, so simple without looking again (the test this replaced
+                    // went over every byte of a key longer than 8).
+                    debug_assert!(content.iter().all(|&b| b < 0x80 && b != b'\\'));
+                    simple = true;
                     i = end + 1;
                 } else {
                     i = end;
