@@ -1130,8 +1130,9 @@ impl Canon<'_, '_> {
         let s = self.s;
         let body = start + 1;
         // Where the members' bytes are: in the input when the whole object was in the run
-        // (output position `p` is input `p + delta`), else copied aside from `out`. Either way
-        // `out` then holds them unsorted, to be overwritten in order.
+        // (output position `p` is input `p + delta`), else copied aside to `scratch`: the part
+        // in `out`, then the run. Either way `out` then holds them unsorted, to be overwritten
+        // in order.
         let in_input = start >= self.out.len();
         let delta = ps.wrapping_sub(self.out.len());
         let run = s.get(ps..i)?;
