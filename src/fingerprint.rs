@@ -1133,22 +1133,19 @@ impl Canon<'_, '_> {
         // (output position `p` is input `p + delta`), else copied aside to `scratch`: the part
         // in `out`, then the run. Either way `out` then holds them unsorted, to be overwritten
         // in order.
-        let in_input = start >= self.out.len();
-        let delta = ps.wrapping_sub(self.out.len());
+        let flushed = self.out.len();
         let run = s.get(ps..i)?;
-        if !in_input {
+        let (src, delta) = if start >= flushed {
+            (s, ps.wrapping_sub(flushed))
+        } else {
             // The run's part from the input, not back from `out` just after it was written
             // there (1-2% less CPU time on the bench's 966 B order).
             self.scratch.clear();
             self.scratch.extend_from_slice(self.out.get(body..)?);
             self.scratch.extend_from_slice(run);
-        }
-        self.out.extend_from_slice(run);
-        let (src, delta) = if in_input {
-            (s, delta)
-        } else {
             (&self.scratch[..], body.wrapping_neg())
         };
+        self.out.extend_from_slice(run);
         let dst = self.out.get_mut(body..)?;
         let mut w = 0;
         for &(first, count) in runs.get(..run_count)? {
