@@ -165,3 +165,23 @@ async fn excluded_fields_still_leave_the_fingerprint() {
     .await;
     assert_eq!((status, calls), (StatusCode::UNPROCESSABLE_ENTITY, 1));
 }
+
+/// A JSON body whose keys are not UTF-8, in an object of more than 16 members: the
+/// canonicaliser's sort panicked on it (found by the fuzz target). It is hashed raw: the same
+/// bytes replay, other bytes are another request.
+#[tokio::test]
+async fn keys_that_are_not_utf8_are_answered_and_hashed_raw() {
+    let body: &[u8] = b"{\"\xb8\":2,\"a``````\xb8b\":2,\"b\":2,\"\":2,\"\":2,\"\":2,\"a``````\xffb\":2,\"\x84\":2,\"\x84\":2,\"\xb8\":2,\"\x84\":2,\"\":2,\"\":2,\"\":2,\"a\":2,\"\x84\":2,\"a``````\x84\x84\":2,\"\x84\":2,\"\":2,\"b\":2,\"\":3}";
+    let raw = |body: &[u8]| {
+        Request::post("/v1/orders")
+            .header("idempotency-key", "key-1")
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::copy_from_slice(body)))
+            .unwrap()
+    };
+    assert_replays(raw(body), raw(body)).await;
+    let mut other = body.to_vec();
+    *other.last_mut().unwrap() = b' ';
+    other.push(b'}');
+    assert_mismatch(raw(body), raw(&other)).await;
+}
