@@ -570,7 +570,8 @@ struct Member {
     key: usize,
     colon: usize,
     end: usize,
-    /// No escapes and no supplementary-plane character: UTF-8 byte order is UTF-16 order.
+    /// UTF-8 with no escapes and no supplementary-plane character: its byte order is UTF-16
+    /// order ([`is_simple`]).
     simple: bool,
     /// A simple key's first 8 bytes, big-endian, zero-padded (a simple key holds no NUL):
     /// most comparisons end here.
