@@ -3301,6 +3301,36 @@ mod tests {
         }
 
         #[test]
+        fn keys_of_any_bytes_never_panic_and_only_utf8_is_canonicalised(
+            keys in prop::collection::vec(prop::collection::vec(0usize..9, 0..4), 1..40),
+        ) {
+            // Pieces that are UTF-8 and simple, an escape, a supplementary-plane character,
+            // and bytes that are not UTF-8: mixed in one object, over 16 members or under.
+            const PIECES: [&[u8]; 9] = [
+                b"a", b"b", "\u{e9}".as_bytes(), "\u{ffff}".as_bytes(), b"\\n",
+                "\u{1f600}".as_bytes(), b"\x84", b"\xb8", b"\xff",
+            ];
+            let mut doc = b"{".to_vec();
+            for (k, key) in keys.iter().enumerate() {
+                if k > 0 {
+                    doc.push(b',');
+                }
+                doc.push(b'"');
+                key.iter().for_each(|&p| doc.extend_from_slice(PIECES[p]));
+                doc.extend_from_slice(format!("\":{k}").as_bytes());
+            }
+            doc.push(b'}');
+            let utf8 = std::str::from_utf8(&doc).is_ok();
+            let distinct = keys.iter().collect::<std::collections::HashSet<_>>().len() == keys.len();
+            let never = [JsonPointer::parse("/no key is this long").unwrap()];
+            let plain = canonical_json(&doc, &[]);
+            prop_assert_eq!(plain.is_some(), utf8 && distinct, "{:?}", doc);
+            prop_assert_eq!(&canonical_json(&doc, &never), &plain);
+            let want = plain.as_deref().map(|t| <[u8; 32]>::from(Sha256::digest(t)));
+            prop_assert_eq!(canonical_json_digest(&doc), want);
+        }
+
+        #[test]
         fn the_plain_and_the_general_loop_agree(j in json(), seed in any::<u64>()) {
             // A pointer no generated key matches sends the document through `Canon::run`.
             let doc = spell(&j, seed);
