@@ -3331,6 +3331,26 @@ mod tests {
         }
 
         #[test]
+        fn what_a_thread_remembers_never_changes_a_result(
+            a in json(), b in json(), seeds in any::<[u64; 3]>(),
+        ) {
+            // The key orders a thread keeps from body to body: `a` after `b` and `a` itself
+            // must canonicalise as `a` does on a thread that has seen nothing.
+            let (a1, b1, a2) = (spell(&a, seeds[0]), spell(&b, seeds[1]), spell(&a, seeds[2]));
+            let fresh = {
+                let a1 = a1.clone();
+                std::thread::spawn(move || (canonical_json(a1.as_bytes(), &[]), canonical_json_digest(a1.as_bytes())))
+                    .join()
+                    .unwrap()
+            };
+            let _ = canonical_json(b1.as_bytes(), &[]);
+            prop_assert_eq!(&canonical_json(a1.as_bytes(), &[]), &fresh.0, "{} after {}", a1, b1);
+            prop_assert_eq!(canonical_json_digest(a1.as_bytes()), fresh.1, "{} after {}", a1, b1);
+            let _ = canonical_json_digest(b1.as_bytes());
+            prop_assert_eq!(&canonical_json(a2.as_bytes(), &[]), &fresh.0, "{} after {}", a2, b1);
+        }
+
+        #[test]
         fn the_plain_and_the_general_loop_agree(j in json(), seed in any::<u64>()) {
             // A pointer no generated key matches sends the document through `Canon::run`.
             let doc = spell(&j, seed);
