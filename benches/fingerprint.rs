@@ -51,8 +51,8 @@ fn count_only() -> bool {
         .and_then(|v| v.parse().ok())
         .unwrap_or(100);
     // `FINGERPRINT_CASE=sha256_raw`, `serde_json_value`, `serde_json_ignored` or
-    // `simd_json_tape` runs a baseline the same way, so that
-    // CPU times (`perf stat -e task-clock`) compare when wall-clock figures are too noisy.
+    // `simd_json_tape` runs a baseline the same way, so that CPU times (`perf stat -e
+    // task-clock`) compare when wall-clock figures are too noisy.
     match std::env::var("FINGERPRINT_CASE").as_deref() {
         Ok("sha256_raw") => (0..rounds).for_each(|_| {
             black_box(Sha256::digest(black_box(&body)));
