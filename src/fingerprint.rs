@@ -3337,12 +3337,11 @@ mod tests {
             // The key orders a thread keeps from body to body: `a` after `b` and `a` itself
             // must canonicalise as `a` does on a thread that has seen nothing.
             let (a1, b1, a2) = (spell(&a, seeds[0]), spell(&b, seeds[1]), spell(&a, seeds[2]));
-            let fresh = {
-                let a1 = a1.clone();
-                std::thread::spawn(move || (canonical_json(a1.as_bytes(), &[]), canonical_json_digest(a1.as_bytes())))
+            let fresh = std::thread::scope(|s| {
+                s.spawn(|| (canonical_json(a1.as_bytes(), &[]), canonical_json_digest(a1.as_bytes())))
                     .join()
                     .unwrap()
-            };
+            });
             let _ = canonical_json(b1.as_bytes(), &[]);
             prop_assert_eq!(&canonical_json(a1.as_bytes(), &[]), &fresh.0, "{} after {}", a1, b1);
             prop_assert_eq!(canonical_json_digest(a1.as_bytes()), fresh.1, "{} after {}", a1, b1);
