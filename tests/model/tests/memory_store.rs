@@ -10,10 +10,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use shuttle::thread;
-use tower_idempotency::store::{
+use tower_idempotency::store::{ClaimRequest, 
     ClaimOutcome, IdempotencyStore, MemoryStore, StoreError, StoreErrorKind,
 };
-use tower_idempotency::{Completion, Fingerprint, RecordId, RecordState, StoredResponse, Token};
+use tower_idempotency::store::{Completion, Fingerprint, RecordId, RecordState, StoredResponse, Token};
 
 const LEASE: Duration = Duration::from_secs(60);
 const TTL: Duration = Duration::from_secs(3600);
@@ -44,12 +44,7 @@ fn fp(n: u8) -> Fingerprint {
 }
 
 fn completion(body: &'static str) -> Completion {
-    Completion::Response(StoredResponse {
-        status: http::StatusCode::CREATED,
-        headers: http::HeaderMap::new(),
-        body: body.into(),
-        trailers: None,
-    })
+    Completion::Response(StoredResponse::new(http::StatusCode::CREATED, http::HeaderMap::new(), body.into(), None))
 }
 
 fn claimed(out: &Result<ClaimOutcome, StoreError>) -> Option<Token> {
@@ -73,7 +68,7 @@ fn concurrent_claims_of_an_absent_key_claim_it_once() {
         let handles: Vec<_> = (0..3)
             .map(|_| {
                 let store = store.clone();
-                thread::spawn(move || run(store.claim(&id, &fp(1), LEASE, TTL)))
+                thread::spawn(move || run(store.claim(&ClaimRequest::new(&id, &fp(1), LEASE, TTL))))
             })
             .collect();
         let outs: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
@@ -104,7 +99,7 @@ fn a_late_complete_races_takeovers_and_exactly_one_side_wins() {
         let store = Arc::new(MemoryStore::new());
         let id = RecordId::new(Some("model"), "k");
         // A zero lease has lapsed as soon as it is granted.
-        let old = claimed(&run(store.claim(&id, &fp(1), Duration::ZERO, TTL))).unwrap();
+        let old = claimed(&run(store.claim(&ClaimRequest::new(&id, &fp(1), Duration::ZERO, TTL)))).unwrap();
         let completer = {
             let store = store.clone();
             thread::spawn(move || run(store.complete(&id, &old, &completion("old"), TTL)))
@@ -112,7 +107,7 @@ fn a_late_complete_races_takeovers_and_exactly_one_side_wins() {
         let claimers: Vec<_> = (0..2)
             .map(|_| {
                 let store = store.clone();
-                thread::spawn(move || run(store.claim(&id, &fp(1), LEASE, TTL)))
+                thread::spawn(move || run(store.claim(&ClaimRequest::new(&id, &fp(1), LEASE, TTL))))
             })
             .collect();
         let completed = completer.join().unwrap();
@@ -145,8 +140,8 @@ fn a_stale_holder_changes_nothing_while_the_new_one_completes() {
     check(|| {
         let store = Arc::new(MemoryStore::new());
         let id = RecordId::new(Some("model"), "k");
-        let old = claimed(&run(store.claim(&id, &fp(1), Duration::ZERO, TTL))).unwrap();
-        let new = claimed(&run(store.claim(&id, &fp(1), LEASE, TTL))).unwrap();
+        let old = claimed(&run(store.claim(&ClaimRequest::new(&id, &fp(1), Duration::ZERO, TTL)))).unwrap();
+        let new = claimed(&run(store.claim(&ClaimRequest::new(&id, &fp(1), LEASE, TTL)))).unwrap();
         let stale = {
             let store = store.clone();
             thread::spawn(move || {
@@ -173,6 +168,54 @@ fn a_stale_holder_changes_nothing_while_the_new_one_completes() {
     });
 }
 
+/// Contract 10: a takeover's release races two claims of the same request. A claim before
+/// the release sees the live lease, one after it takes over: at most one does, with
+/// generation 3. The key never starts again at generation 1.
+#[test]
+fn a_released_takeover_races_claims_and_its_generation_only_grows() {
+    check(|| {
+        let store = Arc::new(MemoryStore::new());
+        let id = RecordId::new(Some("model"), "k");
+        claimed(&run(store.claim(&ClaimRequest::new(&id, &fp(1), Duration::ZERO, TTL)))).unwrap();
+        let second = claimed(&run(store.claim(&ClaimRequest::new(&id, &fp(1), LEASE, TTL)))).unwrap();
+        assert_eq!(second.generation(), 2);
+        let releaser = {
+            let store = store.clone();
+            thread::spawn(move || run(store.release(&id, &second)))
+        };
+        let claimers: Vec<_> = (0..2)
+            .map(|_| {
+                let store = store.clone();
+                thread::spawn(move || run(store.claim(&ClaimRequest::new(&id, &fp(1), LEASE, TTL))))
+            })
+            .collect();
+        releaser.join().unwrap().unwrap();
+        let claims: Vec<_> = claimers.into_iter().map(|h| h.join().unwrap()).collect();
+        let takeovers: Vec<_> = claims.iter().filter_map(claimed).collect();
+        assert!(takeovers.len() <= 1, "{claims:?}");
+        for o in &claims {
+            match o {
+                Ok(ClaimOutcome::Claimed(c)) => {
+                    assert!(c.takeover);
+                    assert_eq!(c.token.generation(), 3);
+                }
+                Ok(ClaimOutcome::Existing(r)) => {
+                    assert!(matches!(r.state, RecordState::InProgress { .. }));
+                    assert!(r.generation >= 2, "{r:?}");
+                }
+                Ok(other) => panic!("unexpected outcome {other:?}"),
+                Err(e) => panic!("{e:?}"),
+            }
+        }
+        // The released token is fenced whoever won.
+        let e = run(store.complete(&id, &second, &completion("late"), TTL)).unwrap_err();
+        assert_eq!(e.kind(), StoreErrorKind::Fenced);
+        let record = run(store.get(&id)).unwrap().unwrap();
+        assert_eq!(record.generation, 2 + takeovers.len() as u64);
+        assert_eq!(store.len(), 1);
+    });
+}
+
 /// Contract 5 and the record budget: with room for one record, concurrent claims of
 /// different keys admit exactly one, the rest are `Full`; a release frees the slot for the
 /// next claim, and the count never drifts.
@@ -190,7 +233,7 @@ fn a_full_store_admits_exactly_its_budget_and_release_frees_it() {
                 let store = store.clone();
                 thread::spawn(move || {
                     let id = RecordId::new(Some("model"), &format!("k{i}"));
-                    let out = run(store.claim(&id, &fp(1), LEASE, TTL));
+                    let out = run(store.claim(&ClaimRequest::new(&id, &fp(1), LEASE, TTL)));
                     (id, out)
                 })
             })
@@ -209,6 +252,6 @@ fn a_full_store_admits_exactly_its_budget_and_release_frees_it() {
         run(store.release(&id, &token)).unwrap();
         assert_eq!(store.len(), 0);
         let again = RecordId::new(Some("model"), "after-release");
-        assert!(claimed(&run(store.claim(&again, &fp(1), LEASE, TTL))).is_some());
+        assert!(claimed(&run(store.claim(&ClaimRequest::new(&again, &fp(1), LEASE, TTL)))).is_some());
     });
 }
