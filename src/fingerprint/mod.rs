@@ -1,0 +1,231 @@
+//! The `v1` request fingerprint.
+//!
+//! Two JSON readers exist and must agree: the fast path (`json/fast.rs`) reads a body when no
+//! field is excluded, the general path (`json/general.rs`) when some are, and where no
+//! excluded field occurs both must write the same canonical form and refuse the same bodies.
+//! Property tests hold them to it (`json/tests/properties.rs`, the general path run with a
+//! pointer that matches nothing). A change to one is a change to the other.
+//!
+//! SHA-256 over length-prefixed fields: method, path and query, media type (with its
+//! parameters), content codings, body kind, canonical body, then each configured header. The
+//! body is canonical so that a retry that re-serialises the same JSON (other key order, other
+//! whitespace, other escapes or number spellings) still matches:
+//!
+//! - JSON (`application/json`, `*/*+json`): RFC 8785 (JCS), except that a number RFC 8785
+//!   cannot write exactly is written in an exact form (below);
+//! - `application/x-www-form-urlencoded`: the decoded pairs, sorted by name only, so values
+//!   keep their order within a name (`a=1&a=2` is not `a=2&a=1`);
+//! - anything else, and any body under a `Content-Encoding` other than `identity`: the raw
+//!   bytes.
+//!
+//! A gRPC request (`application/grpc`, `+proto`, `+json`) hashes the path, the raw message
+//! frames and its `grpc-encoding` (absent is `identity`).
+//!
+//! Canonicalising must never make two different requests equal. Numbers: a literal whose
+//! value is exactly the number RFC 8785 writes for the double it parses to (`1.5`, `1e21`,
+//! `1000000000000000000000`) is written as RFC 8785 writes it; any other literal
+//! (`9007199254740993`, `0.10000000000000000001`, `1e400`), which RFC 8785 would round into
+//! another value's form, is written exactly as `#` sign digits `e` exponent
+//! (`#9007199254740993e0`, also for `9007199254740993.0`), with no leading or trailing zeros
+//! in the digits. RFC 8785 never writes `#`, so the two forms cannot meet. A lone surrogate is
+//! kept as its `\udxxx` escape; RFC 8785 writes every valid code point as UTF-8. Only a body
+//! whose canonical form could still merge two requests is hashed raw: duplicate keys (parsers
+//! disagree on which wins), and anything that is not JSON (bad syntax, invalid UTF-8); so is a
+//! form body with a bad percent-escape.
+//!
+//! The parts:
+//!
+//! - [`framing`]: the length-prefixed fields and the body kinds' tags;
+//! - [`media`]: the `Content-Type` (and the body kind it names) and `Content-Encoding` fields;
+//! - [`form`]: form bodies;
+//! - [`json`]: canonical JSON, its tokens (`string.rs`, `number.rs`), objects and their key
+//!   order (`object.rs`), and the two readers (`fast.rs`, `general.rs`).
+
+mod form;
+mod framing;
+mod json;
+mod media;
+#[cfg(test)]
+mod tests;
+
+use http::{request, HeaderName, Uri};
+use sha2::{Digest, Sha256};
+
+use crate::policy::is_grpc;
+use crate::record::Fingerprint;
+
+use self::form::canonical_form_into;
+use self::framing::{BodyKind, Hasher};
+pub(crate) use self::json::{canonical_json, canonical_json_digest};
+use self::json::{canonicalise, hash_canonical, with_buffers};
+use self::media::{content_codings, media_type};
+
+/// What the request fingerprint covers beyond method, path, query and body: JSON fields it
+/// leaves out and request headers it takes in.
+///
+/// Given to [`IdempotencyLayer::with_fingerprint`](crate::IdempotencyLayer::with_fingerprint).
+/// By default it covers method, path and query, and the body as read by its media type and
+/// content coding (gRPC: its `grpc-encoding`), and no other header.
+///
+/// ```
+/// # use http::HeaderName;
+/// # use tower_idempotency::{store::MemoryStore, Fingerprinting, IdempotencyLayer, JsonPointer};
+/// let layer = IdempotencyLayer::new(MemoryStore::new()).unscoped().with_fingerprint(
+///     Fingerprinting::default()
+///         .exclude_field(JsonPointer::parse("/client_time")?)
+///         .include_header(HeaderName::from_static("x-account")),
+/// );
+/// # drop(layer);
+/// # Ok::<_, tower_idempotency::ConfigError>(())
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[must_use]
+pub struct Fingerprinting {
+    pub(crate) excluded: Vec<JsonPointer>,
+    pub(crate) headers: Vec<HeaderName>,
+    /// Match on method and target alone (webhook receivers): no media type, coding or body.
+    pub(crate) route_only: bool,
+}
+
+impl Fingerprinting {
+    /// Leaves a JSON field out of the fingerprint (a client timestamp, a trace id), so two
+    /// requests that differ only there match.
+    pub fn exclude_field(mut self, pointer: JsonPointer) -> Self {
+        self.excluded.push(pointer);
+        self
+    }
+
+    /// Adds a request header to the fingerprint, so a retry that sends another value of it
+    /// gets 422 rather than the first answer. Headers that an answer names in `Vary` are
+    /// compared anyway, see
+    /// [`with_vary_match`](crate::IdempotencyLayer::with_vary_match).
+    pub fn include_header(mut self, name: HeaderName) -> Self {
+        self.headers.push(name);
+        self
+    }
+}
+
+/// A parsed RFC 6901 JSON Pointer, naming a field the fingerprint leaves out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JsonPointer(Vec<String>);
+
+impl JsonPointer {
+    /// Parses `/a/b~1c/0`. Only the empty pointer (the whole document) is refused, since
+    /// excluding it would make every body match.
+    pub fn parse(pointer: &str) -> Result<Self, crate::ConfigError> {
+        let err = |why: &str| crate::ConfigError::new(format!("JSON pointer {pointer:?}: {why}"));
+        let rest = pointer
+            .strip_prefix('/')
+            .ok_or_else(|| err("must start with '/'"))?;
+        let mut tokens = Vec::new();
+        for raw in rest.split('/') {
+            let mut token = String::with_capacity(raw.len());
+            let mut chars = raw.chars();
+            while let Some(c) = chars.next() {
+                match c {
+                    '~' => match chars.next() {
+                        Some('0') => token.push('~'),
+                        Some('1') => token.push('/'),
+                        _ => return Err(err("'~' must be followed by '0' or '1'")),
+                    },
+                    c => token.push(c),
+                }
+            }
+            tokens.push(token);
+        }
+        Ok(Self(tokens))
+    }
+
+    /// The reference tokens, unescaped (`~1` is `/`).
+    pub(crate) fn tokens(&self) -> &[String] {
+        &self.0
+    }
+}
+
+/// Computes the `v1` fingerprint of a request. `target` is the URI whose path and query are
+/// hashed: the one the client sent, which a nested router may have rewritten in `parts`.
+pub(crate) fn fingerprint(
+    parts: &request::Parts,
+    target: &Uri,
+    body: &[u8],
+    config: &Fingerprinting,
+) -> Fingerprint {
+    let mut h = Hasher(Sha256::new());
+    // A prefix of its own: a route-only fingerprint never equals a full one.
+    h.0.update(if config.route_only {
+        &b"tower-idempotency fingerprint v1 route-only\0"[..]
+    } else {
+        b"tower-idempotency fingerprint v1\0"
+    });
+    h.field(parts.method.as_str().as_bytes());
+    h.field(
+        target
+            .path_and_query()
+            .map_or("/", |p| p.as_str())
+            .as_bytes(),
+    );
+    if config.route_only {
+        hash_headers(&mut h, parts, config);
+        return Fingerprint::from_bytes(h.0.finalize().into());
+    }
+    let (media, kind) = media_type(&parts.headers);
+    h.field(&media);
+    let codings = content_codings(&parts.headers);
+    h.field(&codings);
+
+    // gRPC bodies are length-prefixed message frames, even `application/grpc+json`, and an
+    // encoded body's bytes are not the JSON or form they decode to: both raw.
+    let grpc = is_grpc(&parts.headers);
+    let kind = if grpc || !codings.is_empty() {
+        BodyKind::Raw
+    } else {
+        kind
+    };
+    with_buffers(|b| {
+        let done = match kind {
+            BodyKind::Json => canonicalise(body, &config.excluded, &mut b.out, &mut b.work, true),
+            BodyKind::Form => canonical_form_into(body, &mut b.out),
+            BodyKind::Raw => false,
+        };
+        if done {
+            h.field(kind.tag());
+            h.0.update((b.out.len() as u64).to_be_bytes());
+            // The outermost members' ranges are the JSON reader's; a form body has none,
+            // whatever an earlier JSON body on this thread left there.
+            let top: &[(usize, usize)] = match kind {
+                BodyKind::Json => &b.work.top,
+                _ => &[],
+            };
+            hash_canonical(&mut h.0, &b.out, top);
+        } else {
+            h.field(BodyKind::Raw.tag());
+            h.field(body);
+        }
+    });
+    if grpc {
+        // The same frame bytes under another `grpc-encoding` are another message. Absent
+        // means `identity`. Only gRPC requests hash this field.
+        let encoding = parts
+            .headers
+            .get("grpc-encoding")
+            .map_or(&b"identity"[..], |v| v.as_bytes())
+            .to_ascii_lowercase();
+        h.field(b"grpc-encoding");
+        h.field(&encoding);
+    }
+
+    hash_headers(&mut h, parts, config);
+    Fingerprint::from_bytes(h.0.finalize().into())
+}
+
+/// The configured headers, each with its count of field lines.
+fn hash_headers(h: &mut Hasher, parts: &request::Parts, config: &Fingerprinting) {
+    for name in &config.headers {
+        h.field(name.as_str().as_bytes());
+        let values = parts.headers.get_all(name);
+        h.0.update((values.iter().count() as u64).to_be_bytes());
+        for v in values {
+            h.field(v.as_bytes());
+        }
+    }
+}
