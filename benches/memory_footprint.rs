@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
-use tower_idempotency::store::{ClaimOutcome, IdempotencyStore, MemoryStore};
-use tower_idempotency::{Completion, Fingerprint, RecordId, StoredResponse};
+use tower_idempotency::store::{ClaimOutcome, ClaimRequest, IdempotencyStore, MemoryStore};
+use tower_idempotency::store::{Completion, Fingerprint, RecordId, StoredResponse};
 
 const RECORDS: usize = 200_000;
 
@@ -35,12 +35,12 @@ fn answer() -> Completion {
     // 237 bytes, as a payment API answers.
     let mut body = br#"{"id":"pay_000000000001","object":"payment","amount":1999,"currency":"eur","status":"succeeded","customer":"cus_00000000000000000001","created":1764460800,"description":"order 1234","metadata":{"order":"ord_1234"},"livemode":false}"#.to_vec();
     body.resize(237, b' ');
-    Completion::Response(StoredResponse {
-        status: StatusCode::CREATED,
+    Completion::Response(StoredResponse::new(
+        StatusCode::CREATED,
         headers,
-        body: Bytes::from(body),
-        trailers: None,
-    })
+        Bytes::from(body),
+        None,
+    ))
 }
 
 fn main() {
@@ -59,7 +59,7 @@ fn main() {
             async move {
                 for i in from..to {
                     let id = RecordId::new(Some("tenant"), &format!("key-{i}"));
-                    let ClaimOutcome::Claimed(c) = store.claim(&id, &fp, ttl, ttl).await.unwrap()
+                    let ClaimOutcome::Claimed(c) = store.claim(&ClaimRequest::new(&id, &fp, ttl, ttl)).await.unwrap()
                     else {
                         panic!("fresh key")
                     };

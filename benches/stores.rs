@@ -225,10 +225,12 @@ async fn redis_rows(table: &mut Table, url: &str) {
 #[cfg(feature = "postgres")]
 async fn postgres_rows(table: &mut Table, url: &str) {
     use tower_idempotency::store::postgres::{deadpool_postgres, tokio_postgres, PostgresStore};
-    let store = PostgresStore::connect(url)
+    let store = PostgresStore::builder()
+        .with_table("tidem_bench_records")
+        .unwrap()
+        .connect(url)
         .await
         .expect("connect to Postgres");
-    let store = store.with_table("tidem_bench_records").unwrap();
     store.migrate().await.unwrap();
     layer_rows(table, "postgres", Arc::new(store)).await;
 

@@ -6,6 +6,7 @@ use std::fmt;
 
 use axum::extract::{FromRequestParts, OptionalFromRequestParts, OriginalUri};
 use axum::response::{IntoResponse, Response};
+use http::header::{HeaderValue, CACHE_CONTROL, CONTENT_TYPE};
 use http::request::Parts;
 use http::{StatusCode, Uri};
 
@@ -45,7 +46,8 @@ impl<S: Send + Sync> OptionalFromRequestParts<S> for IdempotencyContext {
 
 /// The rejection of the [`IdempotencyContext`] extractor: the handler runs without the
 /// layer in front of it (the route is not wrapped, the method or the filter let the request
-/// pass, or the key was optional and absent). A server bug, so 500.
+/// pass, or the key was optional and absent). A server bug, so 500, answered as problem+json
+/// of type [`context-missing`](crate::problems#context-missing); the log gets the fix.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MissingIdempotencyContext;
 
@@ -57,9 +59,31 @@ impl fmt::Display for MissingIdempotencyContext {
 
 impl std::error::Error for MissingIdempotencyContext {}
 
+impl MissingIdempotencyContext {
+    /// The problem `type`, in the URI scheme of [`ErrorKind::type_uri`](crate::ErrorKind::type_uri).
+    /// Not an `ErrorKind`: the layer never answers with it, only this extractor does.
+    const TYPE: &'static str =
+        "https://docs.rs/tower-idempotency/latest/tower_idempotency/problems/#context-missing";
+}
+
+/// RFC 9457 problem+json with `Cache-Control: no-store`, like every answer the layer makes.
 impl IntoResponse for MissingIdempotencyContext {
     fn into_response(self) -> Response {
         tracing::error!("{self}");
-        (StatusCode::INTERNAL_SERVER_ERROR, self.to_string()).into_response()
+        let status = StatusCode::INTERNAL_SERVER_ERROR;
+        let body = serde_json::json!({
+            "type": Self::TYPE,
+            "title": "Idempotency context missing",
+            "status": status.as_u16(),
+            "detail": "the idempotency layer did not run in front of this handler for this request",
+        });
+        let mut res = (status, body.to_string()).into_response();
+        let h = res.headers_mut();
+        h.insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        h.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
+        res
     }
 }

@@ -1,6 +1,7 @@
 //! The body types the layer passes on: no boxing, no copies on the pass-through path.
 
 use std::fmt;
+use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
@@ -13,7 +14,17 @@ use tokio::sync::oneshot;
 /// How a streamed response that the layer could not buffer ended, for the record decision
 /// that waits on it (a gRPC status arrives in the trailers, after the body).
 #[derive(Debug)]
-pub(crate) enum StreamEnd {
+pub(crate) struct StreamEnd {
+    pub(crate) how: Ended,
+    /// The body holds its last frame (the trailers, the error or the end) until this fires or
+    /// is dropped: the claim is settled first, so a retry sent as soon as the client has the
+    /// whole answer finds the key released.
+    pub(crate) go: oneshot::Sender<()>,
+}
+
+/// How the body of a [`StreamEnd`] ended.
+#[derive(Debug)]
+pub(crate) enum Ended {
     /// The body ended, with these trailers if it had any.
     Ended(Option<HeaderMap>),
     /// The body failed.
@@ -111,7 +122,13 @@ pin_project! {
     enum ResponseKind<B: Body> {
         Stream { #[pin] body: B },
         Full { data: Option<Bytes>, trailers: Option<HeaderMap> },
-        Rest { prefix: Option<Bytes>, body: Pin<Box<B>>, end: Option<oneshot::Sender<StreamEnd>> },
+        Rest {
+            prefix: Option<Bytes>,
+            body: Pin<Box<B>>,
+            end: Option<oneshot::Sender<StreamEnd>>,
+            // The last frame, held until the claim is settled.
+            held: Option<(Option<Result<Frame<Bytes>, B::Error>>, oneshot::Receiver<()>)>,
+        },
         Failed { prefix: Option<Bytes>, error: Option<B::Error> },
     }
 }
@@ -142,6 +159,7 @@ impl<B: Body> ResponseBody<B> {
                 prefix: Some(prefix),
                 body,
                 end,
+                held: None,
             },
         }
     }
@@ -179,21 +197,35 @@ impl<B: Body<Data = Bytes>> Body for ResponseBody<B> {
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         match self.project().kind.project() {
             ResponseKindProj::Stream { body } => body.poll_frame(cx),
-            ResponseKindProj::Rest { prefix, body, end } => {
+            ResponseKindProj::Rest {
+                prefix,
+                body,
+                end,
+                held,
+            } => {
                 if let Some(p) = prefix.take() {
                     return Poll::Ready(Some(Ok(Frame::data(p))));
                 }
-                let frame = std::task::ready!(body.as_mut().poll_frame(cx));
-                let ended = match &frame {
-                    Some(Ok(f)) => f.trailers_ref().map(|t| StreamEnd::Ended(Some(t.clone()))),
-                    Some(Err(_)) => Some(StreamEnd::Failed),
-                    None => Some(StreamEnd::Ended(None)),
-                };
-                if let Some(ended) = ended {
-                    if let Some(tx) = end.take() {
-                        let _ = tx.send(ended);
+                if held.is_none() {
+                    let frame = std::task::ready!(body.as_mut().poll_frame(cx));
+                    let how = match &frame {
+                        Some(Ok(f)) => f.trailers_ref().map(|t| Ended::Ended(Some(t.clone()))),
+                        Some(Err(_)) => Some(Ended::Failed),
+                        None => Some(Ended::Ended(None)),
+                    };
+                    let (Some(how), Some(tx)) = (how, end.take()) else {
+                        return Poll::Ready(frame);
+                    };
+                    let (go, wait) = oneshot::channel();
+                    if tx.send(StreamEnd { how, go }).is_err() {
+                        return Poll::Ready(frame);
                     }
+                    *held = Some((frame, wait));
                 }
+                // Settled, or the settling side is gone: the last frame goes out now.
+                let (_, wait) = held.as_mut().expect("held was just set");
+                let _ = std::task::ready!(Pin::new(wait).poll(cx));
+                let (frame, _) = held.take().expect("held was just matched");
                 Poll::Ready(frame)
             }
             ResponseKindProj::Full { data, trailers } => {
@@ -215,9 +247,12 @@ impl<B: Body<Data = Bytes>> Body for ResponseBody<B> {
         match &self.kind {
             ResponseKind::Stream { body } => body.is_end_stream(),
             // Not ended while someone waits to hear the trailers: the next poll tells them.
-            ResponseKind::Rest { prefix, body, end } => {
-                prefix.is_none() && end.is_none() && body.is_end_stream()
-            }
+            ResponseKind::Rest {
+                prefix,
+                body,
+                end,
+                held,
+            } => prefix.is_none() && end.is_none() && held.is_none() && body.is_end_stream(),
             ResponseKind::Full { data, trailers } => data.is_none() && trailers.is_none(),
             ResponseKind::Failed { prefix, error } => prefix.is_none() && error.is_none(),
         }

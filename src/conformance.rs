@@ -39,10 +39,10 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::store::{
-    AdminStore, ClaimOutcome, IdempotencyAdmin, IdempotencyStore, RecordStatus, Removal,
-    StoreError, StoreErrorKind,
+    AdminStore, ClaimOutcome, ClaimRequest, IdempotencyAdmin, IdempotencyStore, RecordStatus,
+    Removal, StoreError, StoreErrorKind,
 };
-use crate::{Completion, Fingerprint, Record, RecordId, RecordState, StoredResponse, Token};
+use crate::store::{Completion, Fingerprint, Record, RecordId, RecordState, StoredResponse, Token};
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
 use tokio::sync::{Barrier, Notify};
@@ -83,16 +83,20 @@ pub fn response(status: u16, body: impl Into<Bytes>) -> Completion {
     headers.insert("content-type", HeaderValue::from_static("application/json"));
     headers.append("link", HeaderValue::from_static("</a>; rel=a"));
     headers.append("link", HeaderValue::from_static("</b>; rel=b"));
-    Completion::Response(StoredResponse {
-        status: StatusCode::from_u16(status).unwrap(),
+    Completion::Response(StoredResponse::new(
+        StatusCode::from_u16(status).unwrap(),
         headers,
-        body: body.into(),
-        trailers: None,
-    })
+        body.into(),
+        None,
+    ))
 }
 
 async fn claim_token(store: &DynStore, id: &RecordId, f: Fingerprint, lease: Duration) -> Token {
-    match store.claim(id, &f, lease, TTL).await.expect("claim") {
+    match store
+        .claim(&ClaimRequest::new(id, &f, lease, TTL))
+        .await
+        .expect("claim")
+    {
         ClaimOutcome::Claimed(c) => c.token,
         other => panic!("expected Claimed, got {other:?}"),
     }
@@ -115,7 +119,9 @@ pub async fn concurrent_claims_of_one_key_yield_exactly_one_claimed(store: DynSt
             let (store, barrier) = (store.clone(), barrier.clone());
             tokio::spawn(async move {
                 barrier.wait().await;
-                store.claim(&id, &fp(1), LEASE, TTL).await
+                store
+                    .claim(&ClaimRequest::new(&id, &fp(1), LEASE, TTL))
+                    .await
             })
         })
         .collect();
@@ -152,11 +158,22 @@ pub async fn completed_records_replay_byte_exactly(store: DynStore) {
         response(201, binary),
         response(204, Bytes::new()),
         response(200, big.clone()),
-        Completion::Response(StoredResponse {
-            status: StatusCode::OK,
-            headers: HeaderMap::new(),
-            body: Bytes::from(big),
-            trailers: Some(trailers),
+        Completion::Response(StoredResponse::new(
+            StatusCode::OK,
+            HeaderMap::new(),
+            Bytes::from(big),
+            Some(trailers),
+        )),
+        // The Vary guard is a field of the record: a store keeps it with the answer.
+        Completion::Response({
+            let Completion::Response(mut r) = response(201, "varies") else {
+                unreachable!()
+            };
+            r.vary = Some(crate::record::VaryGuard {
+                names: "accept-language,authorization".into(),
+                digest: [0x5a; 32],
+            });
+            r
         }),
         Completion::Tombstone {
             status: StatusCode::CREATED,
@@ -176,7 +193,11 @@ pub async fn completed_records_replay_byte_exactly(store: DynStore) {
             "case {i} via get"
         );
         assert_eq!(got.fingerprint, fp(2));
-        match store.claim(&id, &fp(2), LEASE, TTL).await.expect("claim") {
+        match store
+            .claim(&ClaimRequest::new(&id, &fp(2), LEASE, TTL))
+            .await
+            .expect("claim")
+        {
             ClaimOutcome::Existing(r) => {
                 assert_eq!(
                     r.state,
@@ -193,10 +214,16 @@ pub async fn completed_records_replay_byte_exactly(store: DynStore) {
 pub async fn different_fingerprint_sees_the_existing_record(store: DynStore) {
     let id = unique_id("mismatch");
     let token = claim_token(&store, &id, fp(3), LEASE).await;
-    match store.claim(&id, &fp(4), LEASE, TTL).await.expect("claim") {
+    match store
+        .claim(&ClaimRequest::new(&id, &fp(4), LEASE, TTL))
+        .await
+        .expect("claim")
+    {
         ClaimOutcome::Existing(r) => {
             assert_eq!(r.fingerprint, fp(3));
             assert!(matches!(r.state, RecordState::InProgress { .. }));
+            // Where a store reports the holder, it is the claim's own token.
+            assert!(r.holder.is_none_or(|h| h == token), "{:?}", r.holder);
         }
         other => panic!("expected Existing, got {other:?}"),
     }
@@ -204,13 +231,33 @@ pub async fn different_fingerprint_sees_the_existing_record(store: DynStore) {
         .complete(&id, &token, &response(200, "ok"), TTL)
         .await
         .unwrap();
-    match store.claim(&id, &fp(4), LEASE, TTL).await.expect("claim") {
+    match store
+        .claim(&ClaimRequest::new(&id, &fp(4), LEASE, TTL))
+        .await
+        .expect("claim")
+    {
         ClaimOutcome::Existing(r) => {
             assert_eq!(r.fingerprint, fp(3));
             assert!(matches!(r.state, RecordState::Completed(_)));
+            assert!(r.holder.is_none_or(|h| h == token), "{:?}", r.holder);
         }
         other => panic!("expected Existing, got {other:?}"),
     }
+}
+
+/// `get` names the claim that completed a record, where the store keeps it (the layer tells
+/// its own claim's record from another's of the same generation by it).
+pub async fn get_reports_the_holder_of_a_record(store: DynStore) {
+    let id = unique_id("holder");
+    let token = claim_token(&store, &id, fp(5), LEASE).await;
+    let held = store.get(&id).await.unwrap().expect("the claimed record");
+    assert!(held.holder.is_none_or(|h| h == token), "{:?}", held.holder);
+    store
+        .complete(&id, &token, &response(201, "held"), TTL)
+        .await
+        .unwrap();
+    let done = store.get(&id).await.unwrap().expect("the completed record");
+    assert!(done.holder.is_none_or(|h| h == token), "{:?}", done.holder);
 }
 
 /// Guarantee 2: a lapsed lease is taken over with generation + 1; the old token is fenced.
@@ -218,7 +265,11 @@ pub async fn lapsed_lease_is_taken_over_with_a_greater_generation(store: DynStor
     let id = unique_id("takeover");
     let short = Duration::from_millis(300);
     let old = claim_token(&store, &id, fp(5), short).await;
-    match store.claim(&id, &fp(5), LEASE, TTL).await.unwrap() {
+    match store
+        .claim(&ClaimRequest::new(&id, &fp(5), LEASE, TTL))
+        .await
+        .unwrap()
+    {
         ClaimOutcome::Existing(r) => {
             assert!(
                 matches!(r.state, RecordState::InProgress { lease_remaining } if lease_remaining > Duration::ZERO)
@@ -228,7 +279,11 @@ pub async fn lapsed_lease_is_taken_over_with_a_greater_generation(store: DynStor
     }
     tokio::time::sleep(short + Duration::from_millis(250)).await;
     // Another request may not take over, even with the lease lapsed.
-    match store.claim(&id, &fp(6), LEASE, TTL).await.unwrap() {
+    match store
+        .claim(&ClaimRequest::new(&id, &fp(6), LEASE, TTL))
+        .await
+        .unwrap()
+    {
         ClaimOutcome::Existing(r) => {
             assert_eq!(r.fingerprint, fp(5));
             assert!(
@@ -237,7 +292,11 @@ pub async fn lapsed_lease_is_taken_over_with_a_greater_generation(store: DynStor
         }
         other => panic!("a different fingerprint must not take over: {other:?}"),
     }
-    let new = match store.claim(&id, &fp(5), LEASE, TTL).await.unwrap() {
+    let new = match store
+        .claim(&ClaimRequest::new(&id, &fp(5), LEASE, TTL))
+        .await
+        .unwrap()
+    {
         ClaimOutcome::Claimed(c) => {
             assert!(c.takeover);
             assert!(c.token.generation() > old.generation());
@@ -344,26 +403,160 @@ pub async fn release_frees_the_key(store: DynStore) {
     let token = claim_token(&store, &id, fp(8), LEASE).await;
     store.release(&id, &token).await.unwrap();
     assert!(store.get(&id).await.unwrap().is_none());
-    match store.claim(&id, &fp(9), LEASE, TTL).await.unwrap() {
-        ClaimOutcome::Claimed(c) => assert!(!c.takeover),
+    match store
+        .claim(&ClaimRequest::new(&id, &fp(9), LEASE, TTL))
+        .await
+        .unwrap()
+    {
+        ClaimOutcome::Claimed(c) => {
+            assert!(!c.takeover);
+            assert_eq!(c.token.generation(), 1, "a fresh first attempt");
+        }
         other => panic!("released key must be claimable, got {other:?}"),
     }
 }
 
-/// `claim_in_scope` is `claim` for one scope's record: the same record, the same fencing.
-/// A store with per-scope quotas overrides it, and must keep this.
-pub async fn claim_in_scope_claims_the_same_record(store: DynStore) {
+/// Guarantee 10: releasing a takeover keeps the record, so the key's generation only grows
+/// and the next claim of the same request is a takeover again, measured from the release.
+pub async fn releasing_a_takeover_keeps_the_keys_history(store: DynStore) {
+    let id = unique_id("released-takeover");
+    let short = Duration::from_millis(300);
+    let first = claim_token(&store, &id, fp(31), short).await;
+    assert_eq!(first.generation(), 1);
+    tokio::time::sleep(short + Duration::from_millis(250)).await;
+    let second = match store
+        .claim(&ClaimRequest::new(&id, &fp(31), LEASE, TTL))
+        .await
+        .unwrap()
+    {
+        ClaimOutcome::Claimed(c) if c.takeover && c.token.generation() == 2 => c.token,
+        other => panic!("expected a takeover with generation 2, got {other:?}"),
+    };
+    let released_at = std::time::Instant::now();
+    store
+        .release(&id, &second)
+        .await
+        .expect("release of a takeover");
+    let returned_at = std::time::Instant::now();
+
+    let rec = store
+        .get(&id)
+        .await
+        .unwrap()
+        .expect("a takeover's release keeps the record");
+    assert_eq!(rec.fingerprint, fp(31));
+    assert_eq!(rec.generation, 2);
+    assert_eq!(
+        rec.state,
+        RecordState::InProgress {
+            lease_remaining: Duration::ZERO
+        },
+        "its lease ended at the release"
+    );
+    assert_fenced(
+        store
+            .complete(&id, &second, &response(201, "released"), TTL)
+            .await,
+        "complete with the released token",
+    );
+    assert_fenced(
+        store.extend(&id, &second, LEASE).await,
+        "extend with the released token",
+    );
+    assert_fenced(
+        store.release(&id, &first).await,
+        "release with the old token",
+    );
+    let forged = Token::generate(second.generation()).unwrap();
+    assert_fenced(
+        store.release(&id, &forged).await,
+        "release with a forged token",
+    );
+    store
+        .release(&id, &second)
+        .await
+        .expect("a resent release of a kept record is Ok");
+    let again = store.get(&id).await.unwrap().expect("still kept");
+    assert_eq!((again.fingerprint, again.generation), (fp(31), 2));
+    assert!(matches!(again.state, RecordState::InProgress { .. }));
+
+    // The key stays bound to the request that may have partly run.
+    match store
+        .claim(&ClaimRequest::new(&id, &fp(32), LEASE, TTL))
+        .await
+        .unwrap()
+    {
+        ClaimOutcome::Existing(r) => {
+            assert_eq!((r.fingerprint, r.generation), (fp(31), 2));
+            assert_eq!(
+                r.state,
+                RecordState::InProgress {
+                    lease_remaining: Duration::ZERO
+                }
+            );
+        }
+        other => panic!("another request must not claim a kept record: {other:?}"),
+    }
+
+    let pause = Duration::from_millis(200);
+    tokio::time::sleep(pause).await;
+    let sent_at = std::time::Instant::now();
+    let third = match store
+        .claim(&ClaimRequest::new(&id, &fp(31), LEASE, TTL))
+        .await
+        .unwrap()
+    {
+        ClaimOutcome::Claimed(c) => {
+            assert!(c.takeover, "the abandoned attempt must still be reported");
+            assert_eq!(c.token.generation(), 3, "the generation only grows");
+            // Optional: a store that tells how long the key was abandoned counts from the
+            // release (the first lease had lapsed 250 ms before it), by its own clock; 2 ms
+            // for a clock in whole milliseconds.
+            if let Some(lapsed) = c.lapsed_for {
+                let slack = Duration::from_millis(2);
+                let most = released_at.elapsed() + slack;
+                let least = sent_at.duration_since(returned_at).saturating_sub(slack);
+                assert!(
+                    lapsed >= least && lapsed <= most,
+                    "lapsed_for {lapsed:?}: the release was between {least:?} and {most:?} before"
+                );
+            }
+            c.token
+        }
+        other => panic!("expected a takeover with generation 3, got {other:?}"),
+    };
+    assert_fenced(
+        store.release(&id, &second).await,
+        "release with the released token after a takeover",
+    );
+    store
+        .complete(&id, &third, &response(201, "third"), TTL)
+        .await
+        .unwrap();
+    let done = store.get(&id).await.unwrap().unwrap();
+    assert_eq!(done.generation, 3);
+    assert_eq!(done.state, RecordState::Completed(response(201, "third")));
+}
+
+/// A claim in a scope ([`ClaimRequest::in_scope`]) claims the same record as one without:
+/// the same record, the same fencing. A store with per-scope quotas counts it, and must keep
+/// this.
+pub async fn a_scoped_claim_claims_the_same_record(store: DynStore) {
     let id = unique_id("in-scope");
-    let scope = crate::ScopeId::new(Some("conformance-scope"));
+    let scope = crate::store::ScopeId::new(Some("conformance-scope"));
     let token = match store
-        .claim_in_scope(&scope, &id, &fp(4), LEASE, TTL)
+        .claim(&ClaimRequest::new(&id, &fp(4), LEASE, TTL).in_scope(&scope))
         .await
         .unwrap()
     {
         ClaimOutcome::Claimed(c) => c.token,
         other => panic!("a new key must be claimed, got {other:?}"),
     };
-    match store.claim(&id, &fp(4), LEASE, TTL).await.unwrap() {
+    match store
+        .claim(&ClaimRequest::new(&id, &fp(4), LEASE, TTL))
+        .await
+        .unwrap()
+    {
         ClaimOutcome::Existing(r) => assert_eq!(r.generation, token.generation()),
         other => panic!("claim must see the scoped claim, got {other:?}"),
     }
@@ -372,7 +565,7 @@ pub async fn claim_in_scope_claims_the_same_record(store: DynStore) {
         .await
         .unwrap();
     match store
-        .claim_in_scope(&scope, &id, &fp(4), LEASE, TTL)
+        .claim(&ClaimRequest::new(&id, &fp(4), LEASE, TTL).in_scope(&scope))
         .await
         .unwrap()
     {
@@ -390,7 +583,11 @@ pub async fn extend_keeps_the_lease_alive(store: DynStore) {
     store.extend(&id, &token, lease).await.unwrap();
     tokio::time::sleep(Duration::from_millis(600)).await;
     // 1.2 s after the claim, 0.6 s after the renewal: still held.
-    match store.claim(&id, &fp(10), lease, TTL).await.unwrap() {
+    match store
+        .claim(&ClaimRequest::new(&id, &fp(10), lease, TTL))
+        .await
+        .unwrap()
+    {
         ClaimOutcome::Existing(r) => {
             assert!(
                 matches!(r.state, RecordState::InProgress { lease_remaining } if lease_remaining > Duration::ZERO)
@@ -415,7 +612,11 @@ pub async fn ttl_expiry_makes_the_key_new(store: DynStore) {
         store.get(&id).await.unwrap().is_none(),
         "expired record must be absent"
     );
-    match store.claim(&id, &fp(12), LEASE, TTL).await.unwrap() {
+    match store
+        .claim(&ClaimRequest::new(&id, &fp(12), LEASE, TTL))
+        .await
+        .unwrap()
+    {
         ClaimOutcome::Claimed(c) => assert!(!c.takeover),
         other => panic!("expired key must be new, got {other:?}"),
     }
@@ -431,7 +632,11 @@ pub async fn completed_records_are_not_taken_over_after_the_lease(store: DynStor
         .await
         .unwrap();
     tokio::time::sleep(short + Duration::from_millis(200)).await;
-    match store.claim(&id, &fp(13), LEASE, TTL).await.unwrap() {
+    match store
+        .claim(&ClaimRequest::new(&id, &fp(13), LEASE, TTL))
+        .await
+        .unwrap()
+    {
         ClaimOutcome::Existing(r) => {
             assert_eq!(r.state, RecordState::Completed(response(201, "done")))
         }
@@ -488,23 +693,23 @@ pub async fn records_live_for_their_ttl_and_no_longer(store: DynStore) {
     // Lease 1 s, TTL 3 s: kept 3 s, though the lease lapsed at 1 s.
     let ttl_longer = unique_id("ttl-longer");
     store
-        .claim(
+        .claim(&ClaimRequest::new(
             &ttl_longer,
             &fp(21),
             Duration::from_secs(1),
             Duration::from_secs(3),
-        )
+        ))
         .await
         .unwrap();
     // Lease 3 s, TTL 1 s: kept while the lease lives.
     let lease_longer = unique_id("lease-longer");
     store
-        .claim(
+        .claim(&ClaimRequest::new(
             &lease_longer,
             &fp(22),
             Duration::from_secs(3),
             Duration::from_secs(1),
-        )
+        ))
         .await
         .unwrap();
 
@@ -542,7 +747,11 @@ pub async fn records_live_for_their_ttl_and_no_longer(store: DynStore) {
 pub async fn ttl_counts_from_completion(store: DynStore) {
     let id = unique_id("ttl-from-completion");
     let ttl = Duration::from_secs(2);
-    let t = match store.claim(&id, &fp(23), LEASE, ttl).await.unwrap() {
+    let t = match store
+        .claim(&ClaimRequest::new(&id, &fp(23), LEASE, ttl))
+        .await
+        .unwrap()
+    {
         ClaimOutcome::Claimed(c) => c.token,
         other => panic!("expected Claimed, got {other:?}"),
     };
@@ -575,7 +784,7 @@ async fn race_claims(
             let (store, barrier) = (store.clone(), barrier.clone());
             tokio::spawn(async move {
                 barrier.wait().await;
-                store.claim(&id, &f, LEASE, TTL).await
+                store.claim(&ClaimRequest::new(&id, &f, LEASE, TTL)).await
             })
         })
         .collect();
@@ -592,9 +801,16 @@ pub async fn concurrent_claims_of_a_lapsed_or_expired_record_yield_exactly_one(s
     const N: usize = 32;
     let lapsed = unique_id("lapsed-race");
     let short = Duration::from_millis(300);
-    store.claim(&lapsed, &fp(24), short, TTL).await.unwrap();
+    store
+        .claim(&ClaimRequest::new(&lapsed, &fp(24), short, TTL))
+        .await
+        .unwrap();
     let expired = unique_id("expired-race");
-    let t = match store.claim(&expired, &fp(25), short, short).await.unwrap() {
+    let t = match store
+        .claim(&ClaimRequest::new(&expired, &fp(25), short, short))
+        .await
+        .unwrap()
+    {
         ClaimOutcome::Claimed(c) => c.token,
         other => panic!("expected Claimed, got {other:?}"),
     };
@@ -608,7 +824,7 @@ pub async fn concurrent_claims_of_a_lapsed_or_expired_record_yield_exactly_one(s
     let won: Vec<_> = outcomes
         .iter()
         .filter_map(|o| match o {
-            ClaimOutcome::Claimed(c) => Some(*c),
+            ClaimOutcome::Claimed(c) => Some(c.clone()),
             ClaimOutcome::Existing(_) => None,
         })
         .collect();
@@ -621,7 +837,7 @@ pub async fn concurrent_claims_of_a_lapsed_or_expired_record_yield_exactly_one(s
     let won: Vec<_> = outcomes
         .iter()
         .filter_map(|o| match o {
-            ClaimOutcome::Claimed(c) => Some(*c),
+            ClaimOutcome::Claimed(c) => Some(c.clone()),
             ClaimOutcome::Existing(_) => None,
         })
         .collect();
@@ -653,7 +869,11 @@ pub async fn forged_extend_leaves_the_lease_unchanged(store: DynStore) {
         other => panic!("expected in progress, got {other:?}"),
     }
     tokio::time::sleep(lease + Duration::from_millis(300)).await;
-    match store.claim(&id, &fp(27), LEASE, TTL).await.unwrap() {
+    match store
+        .claim(&ClaimRequest::new(&id, &fp(27), LEASE, TTL))
+        .await
+        .unwrap()
+    {
         ClaimOutcome::Claimed(c) => assert!(c.takeover, "the original lease lapsed"),
         other => panic!("the forged extend kept the lease alive: {other:?}"),
     }
@@ -692,14 +912,8 @@ impl<S> LoseReplies<S> {
 
 #[async_trait::async_trait]
 impl<S: IdempotencyStore> IdempotencyStore for LoseReplies<S> {
-    async fn claim(
-        &self,
-        id: &RecordId,
-        fingerprint: &Fingerprint,
-        lease: Duration,
-        ttl: Duration,
-    ) -> Result<ClaimOutcome, StoreError> {
-        let r = self.inner.claim(id, fingerprint, lease, ttl).await;
+    async fn claim(&self, request: &ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
+        let r = self.inner.claim(request).await;
         self.reply(r).await
     }
 
@@ -759,7 +973,11 @@ async fn with_lost_reply<T: std::fmt::Debug>(
 pub async fn lost_replies_are_unknown_and_resends_are_idempotent(store: DynStore) {
     let lossy = LoseReplies::new(store.clone());
     let id = unique_id("lost-claim");
-    with_lost_reply(&lossy, lossy.claim(&id, &fp(28), LEASE, TTL)).await;
+    with_lost_reply(
+        &lossy,
+        lossy.claim(&ClaimRequest::new(&id, &fp(28), LEASE, TTL)),
+    )
+    .await;
     // The claim landed, but nobody was told: the record is in progress, and the same request
     // sent again is a duplicate (its lease is live), never a second `Claimed`.
     let rec = store
@@ -769,7 +987,11 @@ pub async fn lost_replies_are_unknown_and_resends_are_idempotent(store: DynStore
         .expect("the lost claim landed");
     assert_eq!(rec.fingerprint, fp(28));
     assert!(matches!(rec.state, RecordState::InProgress { .. }));
-    match store.claim(&id, &fp(28), LEASE, TTL).await.unwrap() {
+    match store
+        .claim(&ClaimRequest::new(&id, &fp(28), LEASE, TTL))
+        .await
+        .unwrap()
+    {
         ClaimOutcome::Existing(r) => assert_eq!(r.generation, rec.generation),
         other => panic!("a retry after a lost claim reply must not claim again: {other:?}"),
     }
@@ -796,7 +1018,11 @@ pub async fn lost_replies_are_unknown_and_resends_are_idempotent(store: DynStore
         .expect("a resent release whose first attempt landed is Ok, not Fenced");
     assert!(store.get(&id).await.unwrap().is_none());
     // The key is free: the same request runs again.
-    match store.claim(&id, &fp(30), LEASE, TTL).await.unwrap() {
+    match store
+        .claim(&ClaimRequest::new(&id, &fp(30), LEASE, TTL))
+        .await
+        .unwrap()
+    {
         ClaimOutcome::Claimed(c) => assert!(!c.takeover),
         other => panic!("a released key must be claimable, got {other:?}"),
     }
@@ -810,7 +1036,10 @@ pub async fn full_store_refuses_claims_and_keeps_records(store: DynStore) {
     let mut refused = None;
     for i in 0..20_000 {
         let id = unique_id(&format!("fill-{i}"));
-        match store.claim(&id, &fp(17), LEASE, TTL).await {
+        match store
+            .claim(&ClaimRequest::new(&id, &fp(17), LEASE, TTL))
+            .await
+        {
             Ok(ClaimOutcome::Claimed(c)) => {
                 // A completion may itself hit the limit; the claim stays then, and is kept too.
                 let done = store
@@ -848,7 +1077,11 @@ pub async fn full_store_refuses_claims_and_keeps_records(store: DynStore) {
                 rec.state,
                 RecordState::Completed(response(201, body.clone()))
             );
-            match store.claim(id, &fp(17), LEASE, TTL).await.unwrap() {
+            match store
+                .claim(&ClaimRequest::new(id, &fp(17), LEASE, TTL))
+                .await
+                .unwrap()
+            {
                 ClaimOutcome::Existing(r) => assert!(matches!(r.state, RecordState::Completed(_))),
                 other => panic!("replay in a full store: {other:?}"),
             }
@@ -941,10 +1174,42 @@ pub async fn operator_api_inspects_releases_and_deletes(store: DynAdminStore) {
     // Another scope's record of the same key is not this one.
     assert_eq!(store.inspect(&absent).await.unwrap(), None);
     assert_eq!(store.delete(&id).await.unwrap(), Removal::Removed);
+
+    // A takeover's release keeps its record: in progress, its lease ended, its retention
+    // whole. The operator can still remove it.
+    let id = unique_id("admin-released");
+    let short = Duration::from_millis(300);
+    match store
+        .claim(&ClaimRequest::new(&id, &fp(4), short, TTL))
+        .await
+        .unwrap()
+    {
+        ClaimOutcome::Claimed(_) => {}
+        other => panic!("expected Claimed, got {other:?}"),
+    }
+    tokio::time::sleep(short + Duration::from_millis(250)).await;
+    let token = admin_claim(&store, &id, fp(4)).await;
+    assert_eq!(token.generation(), 2, "a takeover");
+    store.release(&id, &token).await.unwrap();
+    let info = store.inspect(&id).await.unwrap().expect("kept");
+    assert_eq!(info.status, RecordStatus::InProgress);
+    assert_eq!(info.generation, 2);
+    assert_eq!(info.lease_remaining, Some(Duration::ZERO));
+    assert!(
+        info.expires_in <= TTL && info.expires_in > TTL - Duration::from_secs(5),
+        "the release kept the retention: {info:?}"
+    );
+    assert_eq!(store.delete(&id).await.unwrap(), Removal::Refused);
+    assert_eq!(store.force_release(&id).await.unwrap(), Removal::Removed);
+    assert_eq!(store.inspect(&id).await.unwrap(), None);
 }
 
 async fn admin_claim(store: &DynAdminStore, id: &RecordId, f: Fingerprint) -> Token {
-    match store.claim(id, &f, LEASE, TTL).await.expect("claim") {
+    match store
+        .claim(&ClaimRequest::new(id, &f, LEASE, TTL))
+        .await
+        .expect("claim")
+    {
         ClaimOutcome::Claimed(c) => c.token,
         other => panic!("expected Claimed, got {other:?}"),
     }
@@ -1005,7 +1270,9 @@ macro_rules! __conformance_checks {
             lapsed_lease_is_taken_over_with_a_greater_generation,
             stale_tokens_change_nothing,
             release_frees_the_key,
-            claim_in_scope_claims_the_same_record,
+            get_reports_the_holder_of_a_record,
+            releasing_a_takeover_keeps_the_keys_history,
+            a_scoped_claim_claims_the_same_record,
             extend_keeps_the_lease_alive,
             ttl_expiry_makes_the_key_new,
             completed_records_are_not_taken_over_after_the_lease,

@@ -5,11 +5,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::Response;
+use http::{HeaderMap, Response};
 use sha2::{Digest, Sha256};
 
-use crate::layer::Config;
-use crate::record::{hex, Completion, Fingerprint, RecordId, StoredResponse, Token};
+use crate::config::Config;
+use crate::record::{hex, Completion, Fingerprint, RecordId, Token};
 
 /// Put into the inner request's extensions for every keyed request the layer runs.
 ///
@@ -30,6 +30,8 @@ pub struct IdempotencyContext {
     token: Token,
     /// The layer's settings: the TTL and the rule for recorded headers.
     config: Arc<Config>,
+    /// The request's headers when Vary matching is on: a recorded answer's guard needs them.
+    request_headers: Option<Arc<HeaderMap>>,
 }
 
 impl fmt::Debug for IdempotencyContext {
@@ -50,6 +52,7 @@ impl IdempotencyContext {
         fingerprint: Fingerprint,
         token: Token,
         config: Arc<Config>,
+        request_headers: Option<Arc<HeaderMap>>,
     ) -> Self {
         Self {
             key,
@@ -58,25 +61,30 @@ impl IdempotencyContext {
             fingerprint,
             token,
             config,
+            request_headers,
         }
     }
 
     /// How long the recorded answer is kept: the layer's retention TTL.
     pub fn ttl(&self) -> Duration {
-        self.config.retention.ttl()
+        self.config.timing.ttl()
     }
 
-    /// The answer to record for `response`, as the layer would record it (the same headers
-    /// kept), for a handler that completes its own record, such as
-    /// [`PostgresStore::record_in`](crate::store::postgres::PostgresStore::record_in).
+    /// The answer to record for `response`, exactly as the layer would record it: the same
+    /// headers kept, the same Vary guard (a retry that sends other values of the headers the
+    /// answer's `Vary` names is refused), and a tombstone where the answer is over
+    /// `max_response_body` or the record's caps. For a handler that completes its own record,
+    /// such as [`PostgresStore::record_in`](crate::store::postgres::PostgresStore::record_in).
     /// Retries get exactly this, so pass the response the handler returns.
     pub fn completion(&self, response: &Response<Bytes>) -> Completion {
-        Completion::Response(StoredResponse {
-            status: response.status(),
-            headers: self.config.recorded_headers(response.headers()),
-            body: response.body().clone(),
-            trailers: None,
-        })
+        crate::recording::completion(
+            &self.config,
+            self.request_headers.as_deref(),
+            response.status(),
+            response.headers(),
+            response.body().clone(),
+            None,
+        )
     }
 
     /// The client's idempotency key.
@@ -137,13 +145,14 @@ mod tests {
             Fingerprint::from_bytes([0; 32]),
             Token::from_parts(generation, [7; 16]),
             layer.config,
+            None,
         )
     }
 
     #[test]
     fn completions_keep_the_layers_headers_and_the_ttl_and_debug_hides_the_key() {
         let c = ctx(Some("t1"), "secret-key", 1);
-        assert_eq!(c.ttl(), crate::Retention::default().ttl());
+        assert_eq!(c.ttl(), crate::Timing::default().ttl());
         let res = http::Response::builder()
             .status(201)
             .header("content-type", "application/json")

@@ -23,7 +23,8 @@ pub enum ErrorKind {
     BodyUnreadable,
     /// The request body did not arrive within the request body timeout. HTTP 408.
     BodyTimeout,
-    /// The first request with this key is still running. HTTP 409, with `Retry-After`.
+    /// The first request with this key is still running. HTTP 409, with `Retry-After` (503
+    /// under a [`Webhook`](crate::Webhook)).
     InProgress,
     /// The key was used before with a different request. HTTP 422.
     Mismatch,
@@ -38,7 +39,9 @@ pub enum ErrorKind {
 }
 
 impl ErrorKind {
-    /// The HTTP status the default renderer uses.
+    /// The kind's HTTP status. The default renderer answers with
+    /// [`IdempotencyError::status`], which differs only for `InProgress` under a
+    /// [`Webhook`](crate::Webhook); a renderer of your own should use that one too.
     pub fn status(self) -> StatusCode {
         match self {
             ErrorKind::KeyMissing | ErrorKind::KeyInvalid | ErrorKind::BodyUnreadable => {
@@ -107,6 +110,7 @@ pub struct IdempotencyError {
     detail: Cow<'static, str>,
     retry_after: Option<Duration>,
     original_status: Option<StatusCode>,
+    status: Option<StatusCode>,
     source: Option<Arc<StoreError>>,
 }
 
@@ -117,8 +121,15 @@ impl IdempotencyError {
             detail: detail.into(),
             retry_after: None,
             original_status: None,
+            status: None,
             source: None,
         }
+    }
+
+    /// Answers with `status` instead of the kind's (a webhook's in-progress answer).
+    pub(crate) fn with_status(mut self, status: StatusCode) -> Self {
+        self.status = Some(status);
+        self
     }
 
     pub(crate) fn retry_after(mut self, after: Duration) -> Self {
@@ -139,6 +150,13 @@ impl IdempotencyError {
     /// The kind.
     pub fn kind(&self) -> ErrorKind {
         self.kind
+    }
+
+    /// The HTTP status the default renderer answers with: the kind's
+    /// ([`ErrorKind::status`]), except for an in-progress answer under a
+    /// [`Webhook`](crate::Webhook), which answers what the webhook chose (503 by default).
+    pub fn status(&self) -> StatusCode {
+        self.status.unwrap_or_else(|| self.kind.status())
     }
 
     /// A human-readable explanation for this occurrence.
@@ -180,7 +198,10 @@ impl std::error::Error for IdempotencyError {
 }
 
 /// A configuration value was refused.
-#[derive(Debug, Clone, PartialEq, Eq)]
+///
+/// `Debug` prints the same text as `Display`, so that an error returned from `main` reads as
+/// a sentence.
+#[derive(Clone, PartialEq, Eq)]
 pub struct ConfigError(String);
 
 impl ConfigError {
@@ -192,6 +213,12 @@ impl ConfigError {
 impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "invalid idempotency configuration: {}", self.0)
+    }
+}
+
+impl fmt::Debug for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
     }
 }
 
@@ -211,5 +238,18 @@ mod tests {
         assert_eq!(e(1000).retry_after_secs(), Some(1));
         assert_eq!(e(1001).retry_after_secs(), Some(2));
         assert_eq!(e(29_500).retry_after_secs(), Some(30));
+    }
+
+    #[test]
+    fn config_errors_debug_print_their_text_so_main_shows_the_fix() {
+        let err = crate::Timing::new(Duration::from_secs(30), Duration::from_secs(1)).unwrap_err();
+        let debug = format!("{err:?}");
+        assert_eq!(
+            debug,
+            "invalid idempotency configuration: ttl 1s is shorter than the lease 30s"
+        );
+        assert_eq!(debug, err.to_string());
+        let boxed: Box<dyn std::error::Error> = Box::new(err);
+        assert_eq!(format!("{boxed:?}"), debug);
     }
 }

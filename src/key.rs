@@ -1,9 +1,347 @@
-//! Reading the `Idempotency-Key` field.
+//! Where the idempotency key comes from ([`Key`]), and the rules every key is held to.
 
-use http::{HeaderMap, HeaderName};
+use std::borrow::Cow;
+use std::fmt;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{request, HeaderMap, HeaderName};
+use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+
+use crate::error::ConfigError;
+use crate::fingerprint::JsonPointer;
 
 /// The longest key accepted, in characters (after sf-string unquoting).
 pub(crate) const MAX_KEY_LEN: usize = 255;
+
+type KeyFn = Arc<dyn Fn(&request::Parts, &Bytes) -> Option<String> + Send + Sync>;
+
+/// Where the layer reads each request's idempotency key, and whether one is required; set
+/// with [`IdempotencyLayer::with_key`](crate::IdempotencyLayer::with_key).
+///
+/// - [`Key::header`]: a request header (the default is the `Idempotency-Key` header). Read
+///   before the body: a request without it is refused before anything is buffered.
+/// - [`Key::json_pointer`]: a field of the JSON body (a webhook's event id, `/id`).
+/// - [`Key::joined`]: several headers and fields, joined unambiguously (Adyen's `eventCode`
+///   and `pspReference`).
+/// - [`Key::from_fn`]: a function of the request head and the buffered body.
+///
+/// A key that reads the body reads the one buffer the layer keeps anyway, after the body
+/// limit and timeout: a body over the limit is `413` before its key is looked at. Every key,
+/// wherever it comes from, is 1 to 255 visible ASCII characters (`0x21`-`0x7E`). A key that
+/// is absent is `400` [`key-missing`](crate::problems#key-missing), or passes through
+/// unprotected when the key is [`optional`](Key::optional); a key that is present and
+/// breaks the rules is `400` [`key-invalid`](crate::problems#key-invalid), optional or
+/// not. Both problems name where the key was expected.
+///
+/// ```
+/// # fn main() -> Result<(), tower_idempotency::ConfigError> {
+/// use http::HeaderName;
+/// use tower_idempotency::{store::MemoryStore, IdempotencyLayer, Key, KeyPart};
+///
+/// // Stripe: the event's `id` in the body.
+/// let stripe = Key::json_pointer("/id")?;
+/// // GitHub: the delivery id in a header.
+/// let github = Key::header(HeaderName::from_static("x-github-delivery"));
+/// // Adyen: two fields of the one notification item.
+/// let item = "/notificationItems/0/NotificationRequestItem";
+/// let adyen = Key::joined([
+///     KeyPart::json_pointer(&format!("{item}/eventCode"))?,
+///     KeyPart::json_pointer(&format!("{item}/pspReference"))?,
+/// ])?;
+/// let layer = IdempotencyLayer::new(MemoryStore::new()).unscoped().with_key(stripe);
+/// # drop((layer, github, adyen));
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+#[must_use]
+pub struct Key {
+    source: Source,
+    optional: bool,
+    noun: Option<Cow<'static, str>>,
+}
+
+#[derive(Clone)]
+enum Source {
+    One(KeyPart),
+    Joined(Vec<KeyPart>),
+    Fn(KeyFn),
+}
+
+/// One part of a [`Key::joined`] key: a header or a JSON field.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyPart(Part);
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Part {
+    Header(HeaderName),
+    Pointer { pointer: JsonPointer, text: String },
+}
+
+impl KeyPart {
+    /// The value of request header `name`, read as [`Key::header`] reads it.
+    pub fn header(name: HeaderName) -> Self {
+        Self(Part::Header(name))
+    }
+
+    /// The JSON string or integer at `pointer` (RFC 6901) in the body, read as
+    /// [`Key::json_pointer`] reads it.
+    pub fn json_pointer(pointer: &str) -> Result<Self, ConfigError> {
+        Ok(Self(Part::Pointer {
+            pointer: JsonPointer::parse(pointer)?,
+            text: pointer.to_owned(),
+        }))
+    }
+}
+
+impl Default for Key {
+    /// The `Idempotency-Key` header, required.
+    fn default() -> Self {
+        Self::header(HeaderName::from_static("idempotency-key"))
+    }
+}
+
+impl fmt::Debug for Key {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut d = f.debug_struct("Key");
+        match &self.source {
+            Source::One(p) => d.field("source", p),
+            Source::Joined(parts) => d.field("joined", parts),
+            Source::Fn(_) => d.field("source", &"fn"),
+        };
+        d.field("optional", &self.optional)
+            .field("noun", &self.noun)
+            .finish()
+    }
+}
+
+impl Key {
+    fn of(source: Source) -> Self {
+        Self {
+            source,
+            optional: false,
+            noun: None,
+        }
+    }
+
+    /// The key is request header `name`: a bare token, or an RFC 8941 string (`"abc"` is the
+    /// key `abc`), sent in one field line. gRPC requests read the metadata entry of that name.
+    pub fn header(name: HeaderName) -> Self {
+        Self::of(Source::One(KeyPart::header(name)))
+    }
+
+    /// The key is the JSON value at `pointer` (RFC 6901, such as `/id` or
+    /// `/data/object/id`) in the request body.
+    ///
+    /// A string is the key as it is (after JSON unescaping; no RFC 8941 unquoting). An
+    /// integer is the key in decimal, so `123` and `"123"` are the same key; a number with
+    /// a fraction or an exponent, or outside 64 bits, is refused (`key-invalid`), as are
+    /// booleans, objects and arrays. `null`, a pointer that leads nowhere, and a body that is
+    /// not JSON mean the key is missing. A member named twice on the pointer's path is
+    /// refused: JSON parsers disagree on which one counts.
+    ///
+    /// Refused here: a pointer that does not start with `/` or has a bad `~` escape.
+    pub fn json_pointer(pointer: &str) -> Result<Self, ConfigError> {
+        Ok(Self::of(Source::One(KeyPart::json_pointer(pointer)?)))
+    }
+
+    /// The key is made of `parts`, in order, each read and checked as on its own (1 to 255
+    /// visible ASCII characters), then joined unambiguously: each part as its length in
+    /// decimal, `:`, and the part, so `("ab", "c")` is `2:ab1:c` and never the same as
+    /// `("a", "bc")`, `1:a2:bc`. The joined key is held to 255 characters too, and it is the
+    /// key [`IdempotencyContext::key`](crate::IdempotencyContext::key) returns. A missing
+    /// part makes the key missing, and the problem names that part.
+    ///
+    /// Refused here: no parts.
+    pub fn joined(parts: impl IntoIterator<Item = KeyPart>) -> Result<Self, ConfigError> {
+        let parts: Vec<_> = parts.into_iter().collect();
+        if parts.is_empty() {
+            return Err(ConfigError::new("a joined key needs at least one part"));
+        }
+        Ok(Self::of(Source::Joined(parts)))
+    }
+
+    /// The key is what `f` makes of the request head and the buffered body: `None` when the
+    /// request has none. The result is held to the same rules (1 to 255 visible ASCII
+    /// characters) as any key. `f` runs on every protected request, on the request's task:
+    /// keep it cheap, and never let it fail open to a constant key.
+    pub fn from_fn<F>(f: F) -> Self
+    where
+        F: Fn(&request::Parts, &Bytes) -> Option<String> + Send + Sync + 'static,
+    {
+        Self::of(Source::Fn(Arc::new(f)))
+    }
+
+    /// A request without the key passes through unprotected (no claim, no record) instead of
+    /// being refused with `400`. A key that is present but invalid is still `400`.
+    pub fn optional(mut self) -> Self {
+        self.optional = true;
+        self
+    }
+
+    /// What the key is called in the problems the layer answers with (default "idempotency
+    /// key"; a [`Webhook`](crate::Webhook) says "webhook id"), as in "the webhook id at JSON
+    /// pointer `/id` in the request body is missing".
+    pub fn described_as(mut self, noun: impl Into<Cow<'static, str>>) -> Self {
+        self.noun = Some(noun.into());
+        self
+    }
+
+    pub(crate) fn has_noun(&self) -> bool {
+        self.noun.is_some()
+    }
+
+    pub(crate) fn is_optional(&self) -> bool {
+        self.optional
+    }
+
+    /// Whether the key can only be read once the body is buffered.
+    pub(crate) fn reads_body(&self) -> bool {
+        match &self.source {
+            Source::One(p) => p.reads_body(),
+            Source::Joined(parts) => parts.iter().any(KeyPart::reads_body),
+            Source::Fn(_) => true,
+        }
+    }
+
+    fn noun(&self) -> &str {
+        self.noun.as_deref().unwrap_or("idempotency key")
+    }
+
+    /// Reads a key that does not need the body (see [`reads_body`](Self::reads_body)).
+    pub(crate) fn read_head(&self, headers: &HeaderMap, grpc: bool) -> Result<String, Refusal> {
+        self.read(headers, None, grpc)
+    }
+
+    /// Reads the key from the request and its buffered body.
+    pub(crate) fn read_request(
+        &self,
+        parts: &request::Parts,
+        body: &Bytes,
+        grpc: bool,
+    ) -> Result<String, Refusal> {
+        if let Source::Fn(f) = &self.source {
+            let noun = self.noun();
+            return match f(parts, body) {
+                None => Err(Refusal::Missing(format!("this request has no {noun}"))),
+                Some(key) => check(key.into_bytes()).map_err(|e| {
+                    Refusal::Invalid(format!(
+                        "the {noun} derived from this request {}",
+                        e.reason()
+                    ))
+                }),
+            };
+        }
+        self.read(&parts.headers, Some(body), grpc)
+    }
+
+    fn read(
+        &self,
+        headers: &HeaderMap,
+        body: Option<&[u8]>,
+        grpc: bool,
+    ) -> Result<String, Refusal> {
+        let noun = self.noun();
+        let refuse = |part: &KeyPart, e: PartError, joined: bool| {
+            let place = part.place(grpc);
+            let noun = if joined {
+                format!("{noun} part")
+            } else {
+                noun.to_owned()
+            };
+            match (e, &part.0) {
+                // The default header keeps the words clients already know.
+                (PartError::Missing, Part::Header(h)) if self.noun.is_none() && !joined => {
+                    let field = if grpc { "metadata entry" } else { "header" };
+                    Refusal::Missing(format!("this request requires an `{h}` {field}"))
+                }
+                (PartError::Bad(e), Part::Header(_)) if self.noun.is_none() && !joined => {
+                    Refusal::Invalid(e.detail().to_owned())
+                }
+                (PartError::Missing, _) => {
+                    Refusal::Missing(format!("the {noun} {place} is missing"))
+                }
+                (PartError::NotJson, _) => Refusal::Missing(format!(
+                    "the {noun} {place} is missing: the request body is not JSON"
+                )),
+                (PartError::Bad(e), _) => {
+                    Refusal::Invalid(format!("the {noun} {place} {}", e.reason()))
+                }
+            }
+        };
+        match &self.source {
+            Source::One(part) => part.read(headers, body).map_err(|e| refuse(part, e, false)),
+            Source::Joined(parts) => {
+                let mut key = String::new();
+                for part in parts {
+                    let value = part
+                        .read(headers, body)
+                        .map_err(|e| refuse(part, e, true))?;
+                    key.push_str(&value.len().to_string());
+                    key.push(':');
+                    key.push_str(&value);
+                }
+                if key.len() > MAX_KEY_LEN {
+                    return Err(Refusal::Invalid(format!(
+                        "the {noun} joined from its parts is longer than {MAX_KEY_LEN} characters"
+                    )));
+                }
+                Ok(key)
+            }
+            Source::Fn(_) => unreachable!("a key from a function is read with the body"),
+        }
+    }
+}
+
+/// Why a request has no usable key: the problem's detail, naming where it was expected.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Refusal {
+    Missing(String),
+    Invalid(String),
+}
+
+enum PartError {
+    Missing,
+    NotJson,
+    Bad(KeyError),
+}
+
+impl KeyPart {
+    fn reads_body(&self) -> bool {
+        matches!(self.0, Part::Pointer { .. })
+    }
+
+    fn place(&self, grpc: bool) -> String {
+        match &self.0 {
+            Part::Header(h) if grpc => format!("in the `{h}` metadata entry"),
+            Part::Header(h) => format!("in the `{h}` header"),
+            Part::Pointer { text, .. } => format!("at JSON pointer `{text}` in the request body"),
+        }
+    }
+
+    fn read(&self, headers: &HeaderMap, body: Option<&[u8]>) -> Result<String, PartError> {
+        match &self.0 {
+            Part::Header(name) => match extract(headers, name) {
+                Ok(Some(key)) => Ok(key),
+                Ok(None) => Err(PartError::Missing),
+                Err(e) => Err(PartError::Bad(e)),
+            },
+            Part::Pointer { pointer, .. } => {
+                let body = body.expect("a body key is read after buffering");
+                match json_at(body, pointer.tokens()) {
+                    Err(()) => Err(PartError::NotJson),
+                    Ok(Found::Absent) => Err(PartError::Missing),
+                    Ok(Found::Duplicate) => Err(PartError::Bad(KeyError::Duplicate)),
+                    Ok(Found::Other(kind)) => Err(PartError::Bad(KeyError::NotAnId(kind))),
+                    Ok(Found::Str(s) | Found::Int(s)) => {
+                        check(s.into_bytes()).map_err(PartError::Bad)
+                    }
+                }
+            }
+        }
+    }
+}
 
 /// Why a key was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -13,9 +351,14 @@ pub(crate) enum KeyError {
     TooLong,
     InvalidCharacters,
     MalformedString,
+    /// A JSON value that is no id: what it is instead.
+    NotAnId(&'static str),
+    /// A JSON member on the pointer's path is named twice.
+    Duplicate,
 }
 
 impl KeyError {
+    /// The detail of the default header's problems, unchanged since they were first written.
     pub(crate) fn detail(self) -> &'static str {
         match self {
             KeyError::Multiple => "the idempotency key was sent in more than one field line",
@@ -25,6 +368,24 @@ impl KeyError {
                 "the idempotency key must be visible ASCII characters (0x21-0x7E)"
             }
             KeyError::MalformedString => "the idempotency key is not a valid RFC 8941 string",
+            KeyError::NotAnId(_) => "the idempotency key is not a string or an integer",
+            KeyError::Duplicate => "the idempotency key appears more than once",
+        }
+    }
+
+    /// What is wrong, as the end of a sentence that starts by naming the key.
+    fn reason(self) -> Cow<'static, str> {
+        match self {
+            KeyError::Multiple => "was sent in more than one field line".into(),
+            KeyError::Empty => "is empty".into(),
+            KeyError::TooLong => "is longer than 255 characters".into(),
+            KeyError::InvalidCharacters => "must be visible ASCII characters (0x21-0x7E)".into(),
+            KeyError::MalformedString => "is not a valid RFC 8941 string".into(),
+            KeyError::NotAnId(kind) => format!("is {kind}, not a string or an integer").into(),
+            KeyError::Duplicate => {
+                "is named more than once in the JSON body, and parsers disagree on which counts"
+                    .into()
+            }
         }
     }
 }
@@ -49,6 +410,11 @@ fn parse(raw: &[u8]) -> Result<String, KeyError> {
         [b'"', ..] => unquote(raw)?,
         _ => raw.to_vec(),
     };
+    check(key)
+}
+
+/// The rules every key is held to, wherever it came from.
+fn check(key: Vec<u8>) -> Result<String, KeyError> {
     if key.is_empty() {
         return Err(KeyError::Empty);
     }
@@ -82,6 +448,132 @@ fn unquote(raw: &[u8]) -> Result<Vec<u8>, KeyError> {
         }
     }
     Ok(out)
+}
+
+/// What a JSON pointer found in a body.
+#[derive(Debug, PartialEq, Eq)]
+enum Found {
+    Absent,
+    Str(String),
+    Int(String),
+    Other(&'static str),
+    Duplicate,
+}
+
+/// The value at `tokens` in `body`, or `Err` when `body` is not one JSON document.
+///
+/// One pass with `serde_json`, which skips every value off the path without building it;
+/// it also checks the whole document's syntax (and UTF-8), as the fingerprint's reader does.
+fn json_at(body: &[u8], tokens: &[String]) -> Result<Found, ()> {
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let found = Find(tokens).deserialize(&mut de).map_err(drop)?;
+    de.end().map_err(drop)?;
+    Ok(found)
+}
+
+/// RFC 6901 array index: `0`, or digits without a leading zero.
+fn array_index(token: &str) -> Option<usize> {
+    let digits = token.bytes().all(|b| b.is_ascii_digit());
+    if !digits || token.is_empty() || (token.len() > 1 && token.starts_with('0')) {
+        return None;
+    }
+    token.parse().ok()
+}
+
+/// Walks down `self.0`, one token per level.
+struct Find<'p>(&'p [String]);
+
+impl<'de> DeserializeSeed<'de> for Find<'_> {
+    type Value = Found;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Found, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl Find<'_> {
+    fn leaf(&self, found: Found) -> Found {
+        if self.0.is_empty() {
+            found
+        } else {
+            Found::Absent
+        }
+    }
+}
+
+impl<'de> Visitor<'de> for Find<'_> {
+    type Value = Found;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_str<E>(self, v: &str) -> Result<Found, E> {
+        Ok(self.leaf(Found::Str(v.to_owned())))
+    }
+
+    fn visit_u64<E>(self, v: u64) -> Result<Found, E> {
+        Ok(self.leaf(Found::Int(v.to_string())))
+    }
+
+    fn visit_i64<E>(self, v: i64) -> Result<Found, E> {
+        Ok(self.leaf(Found::Int(v.to_string())))
+    }
+
+    fn visit_f64<E>(self, _: f64) -> Result<Found, E> {
+        Ok(self.leaf(Found::Other(
+            "a number with a fraction or an exponent, or beyond 64 bits",
+        )))
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<Found, E> {
+        Ok(self.leaf(Found::Other("a boolean")))
+    }
+
+    fn visit_unit<E>(self) -> Result<Found, E> {
+        Ok(Found::Absent)
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Found, A::Error> {
+        let Some((first, rest)) = self.0.split_first() else {
+            while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+            return Ok(Found::Other("an object"));
+        };
+        let mut found = None;
+        while let Some(key) = map.next_key::<Cow<'de, str>>()? {
+            if key == first.as_str() {
+                let value = map.next_value_seed(Find(rest))?;
+                found = Some(if found.is_some() {
+                    Found::Duplicate
+                } else {
+                    value
+                });
+            } else {
+                map.next_value::<IgnoredAny>()?;
+            }
+        }
+        Ok(found.unwrap_or(Found::Absent))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Found, A::Error> {
+        let Some((first, rest)) = self.0.split_first() else {
+            while seq.next_element::<IgnoredAny>()?.is_some() {}
+            return Ok(Found::Other("an array"));
+        };
+        let index = array_index(first);
+        let mut found = Found::Absent;
+        for i in 0.. {
+            if Some(i) == index {
+                match seq.next_element_seed(Find(rest))? {
+                    Some(v) => found = v,
+                    None => break,
+                }
+            } else if seq.next_element::<IgnoredAny>()?.is_none() {
+                break;
+            }
+        }
+        Ok(found)
+    }
 }
 
 #[cfg(test)]
@@ -121,5 +613,27 @@ mod tests {
         assert_eq!(key(&[b"\"open"]), Err(KeyError::MalformedString));
         assert_eq!(key(&[br#""bad\escape""#]), Err(KeyError::MalformedString));
         assert_eq!(key(&[br#""a"b""#]), Err(KeyError::MalformedString));
+    }
+
+    #[test]
+    fn json_pointers_follow_rfc_6901_indices_and_report_what_they_find() {
+        let at =
+            |body: &str, p: &str| json_at(body.as_bytes(), JsonPointer::parse(p).unwrap().tokens());
+        assert_eq!(at(r#"{"a":["x","y"]}"#, "/a/1"), Ok(Found::Str("y".into())));
+        for index in ["+1", "01", "-", "1.0", ""] {
+            assert_eq!(
+                at(r#"{"a":["x","y"]}"#, &format!("/a/{index}")),
+                Ok(Found::Absent),
+                "{index:?}"
+            );
+        }
+        assert_eq!(at(r#"{"a":{"":"e"}}"#, "/a/"), Ok(Found::Str("e".into())));
+        assert_eq!(
+            at(r#"{"a":18446744073709551615}"#, "/a"),
+            Ok(Found::Int(u64::MAX.to_string()))
+        );
+        assert_eq!(at(r#"{"a":"x"}{}"#, "/a"), Err(()));
+        // Invalid UTF-8 in a string is not JSON.
+        assert_eq!(json_at(b"{\"a\":\"\xff\"}", &["a".to_owned()]), Err(()));
     }
 }

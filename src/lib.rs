@@ -4,12 +4,14 @@
 //! [`IdempotencyLayer`] in front of the handler it sends the same request again, with the same
 //! `Idempotency-Key`, and the second attempt is harmless: the handler runs **at most once per
 //! (scope, key)** within the retention window, and every retry gets the first answer, byte for
-//! byte, marked `Idempotent-Replayed: true`.
+//! byte, marked `Idempotent-Replayed: true`. [`guarantees`] states exactly what is promised
+//! and where it cannot hold.
 //!
 //! For each keyed request (by default `POST` and `PATCH`; other methods pass through
 //! untouched, with no buffering and no store call) the layer:
 //!
-//! 1. reads the key (a bare token or an RFC 8941 string, 1 to 255 visible ASCII characters);
+//! 1. reads the key (a bare token or an RFC 8941 string, 1 to 255 visible ASCII characters;
+//!    another header or a field of the body with [`IdempotencyLayer::with_key`]);
 //! 2. buffers the body (up to 1 MiB) and fingerprints method, path, media type,
 //!    `Content-Encoding` and canonical body (RFC 8785 JSON with exact numbers, form pairs
 //!    sorted by name, or raw bytes);
@@ -20,7 +22,7 @@
 //!    and answers.
 //!
 //! A retry of a completed request gets the recorded answer; one that arrives while the first
-//! attempt runs gets `409` with `Retry-After` (or waits, see [`IdempotencyLayer::with_wait`]);
+//! attempt runs gets `409` with `Retry-After` (or waits, see [`InProgress::wait`]);
 //! the same key with a different request gets `422`. When the store is down the layer answers
 //! `503` and runs nothing.
 //!
@@ -75,13 +77,23 @@
 //!
 //! # Example: axum
 //!
+//! The layer puts an [`IdempotencyContext`] into the request extensions of every keyed
+//! request it runs; a handler reads it with axum's `Extension` extractor (or
+//! `Option<Extension<IdempotencyContext>>` where the key is optional), with or without this
+//! crate's `axum` feature.
+//!
 //! ```
-//! use axum::{routing::post, Router};
-//! use tower_idempotency::{store::MemoryStore, IdempotencyLayer};
+//! use axum::{http::StatusCode, routing::post, Extension, Router};
+//! use tower_idempotency::{store::MemoryStore, IdempotencyContext, IdempotencyLayer};
+//!
+//! async fn create_payment(Extension(ctx): Extension<IdempotencyContext>) -> (StatusCode, String) {
+//!     // The same key for the card network on every retry and takeover of this request.
+//!     (StatusCode::CREATED, format!("charged with key {}", ctx.derive("card-network")))
+//! }
 //!
 //! # #[derive(Clone)] struct Tenant(String);
 //! let app: Router = Router::new()
-//!     .route("/v1/payments", post(|| async { "charged" }))
+//!     .route("/v1/payments", post(create_payment))
 //!     .layer(
 //!         IdempotencyLayer::new(MemoryStore::new())
 //!             // One key space per tenant, as set by an auth layer outside this one.
@@ -90,21 +102,31 @@
 //! # drop(app);
 //! ```
 //!
-//! `examples/shop` is a complete payments API: `cargo run --example shop --features axum`. `examples/grpc` is
+//! `examples/shop` is a complete payments API: `cargo run --example shop`. `examples/grpc` is
 //! the same shop over tonic; [`tonic_guide`] covers gRPC.
+//!
+//! # Webhook receivers
+//!
+//! Webhooks come without an `Idempotency-Key`, but with the sender's own id of the event,
+//! and are redelivered for days. [`IdempotencyLayer::with_key`] reads the key from another
+//! header, a JSON field of the body ([`Key::json_pointer`]) or several joined, and
+//! [`IdempotencyLayer::with_webhook`] sets a receiver's defaults: match on the id and the
+//! route, record 2xx only, keep records 7 days, answer a duplicate in flight `503`. The
+//! [`webhooks_guide`] covers signature checks, inbox-style processing and event order;
+//! `cargo run --example webhooks` receives Stripe, GitHub and Adyen style deliveries.
 //!
 //! ## Which routes are protected
 //!
 //! A router-wide layer protects every `POST` and `PATCH` ([`IdempotencyLayer::with_methods`]
-//! changes the set). Two ways to leave a route out, such as a webhook that arrives without a
-//! key:
+//! changes the set). Two ways to leave a route out, such as a health probe or a callback
+//! that needs no protection:
 //!
 //! - put the layer on the routes that need it only: `.route("/v1/payments",
 //!   post(create_payment).layer(idempotency.clone()))`;
 //! - or keep it router-wide and select with a predicate:
 //!   `.with_filter(|req| !req.uri.path().starts_with("/webhooks/"))`.
 //!
-//! ## Nested routers
+//! ## The `axum` feature: nested routers and the extractor
 //!
 //! `Router::nest("/v1", …)` strips `/v1` from the URI that inner routes, and a layer on them,
 //! see. With the **`axum` feature** the fingerprint reads axum's `OriginalUri`, the path the
@@ -113,11 +135,15 @@
 //! fingerprints the stripped path: put it outside the `nest`, or give each nested router its
 //! own [scope](IdempotencyLayer::with_scope).
 //!
-//! ## The context as an extractor
+//! The feature therefore **changes the fingerprints of requests inside nested routers**: a
+//! record made without it does not match a retry fingerprinted with it, and the other way
+//! round. Turning it on or off while such requests are in flight answers their retries `422`;
+//! routes that are not nested fingerprint the same either way.
 //!
-//! With the `axum` feature, a handler takes the [`IdempotencyContext`] as an argument (or an
-//! `Option<IdempotencyContext>` where the key is optional). Without the layer in front of it,
-//! the extractor answers `500` with a message that says so.
+//! The feature also makes [`IdempotencyContext`] an extractor of its own (and
+//! `Option<IdempotencyContext>`), whose rejection, when the layer does not run before the
+//! handler, is a `500` that says so; and with the `metrics` feature it labels each route by
+//! axum's `MatchedPath`.
 //!
 //! ```
 //! # #[cfg(feature = "axum")]
@@ -126,7 +152,6 @@
 //! use tower_idempotency::{store::MemoryStore, IdempotencyContext, IdempotencyLayer};
 //!
 //! async fn create_payment(ctx: IdempotencyContext) -> (StatusCode, String) {
-//!     // The same key for the card network on every retry and takeover of this request.
 //!     (StatusCode::CREATED, format!("charged with key {}", ctx.derive("card-network")))
 //! }
 //!
@@ -138,23 +163,32 @@
 //! # }
 //! ```
 //!
-//! ## Layer order, and the traps it sets
+//! # Where to put the layer
 //!
-//! - In axum, `router.layer(a).layer(b)` makes `b` the **outer** layer (the last `.layer()` call
-//!   runs first); in `ServiceBuilder` the **first** listed runs first. Authentication must be
-//!   outside this layer, so that the [scope function](IdempotencyLayer::with_scope) can read
-//!   the principal. The other way round every keyed request gets `500` scope-missing, and an
+//! In axum, `router.layer(a).layer(b)` makes `b` the **outer** layer (the last `.layer()` call
+//! runs first); in `ServiceBuilder` the **first** listed runs first.
+//!
+//! - **Inside authentication**, so that the [scope function](IdempotencyLayer::with_scope)
+//!   can read the principal from the request extensions. A layer needs a scope or an
+//!   explicit [`IdempotencyLayer::unscoped`]; with neither, keyed requests get `500`. With
+//!   authentication inside the layer, every keyed request gets `500` scope-missing, and an
 //!   unauthenticated one gets that `500` instead of its `401`.
-//! - tonic: auth done in `with_interceptor` runs *inside* the layer (the interceptor wraps the
-//!   service, under every server-wide layer), so every protected call fails with `INTERNAL`
-//!   scope-missing. Use tonic's `InterceptorLayer` in the server's layer stack, outside this
-//!   one; see the [tonic guide](tonic_guide#authentication-and-scopes).
+//! - **tonic**: authentication done in `with_interceptor` runs *inside* the layer (the
+//!   interceptor wraps the service, under every server-wide layer), so every protected call
+//!   fails with `INTERNAL` scope-missing. Use tonic's `InterceptorLayer` in the server's layer
+//!   stack, outside this one; see the [tonic guide](tonic_guide#authentication-and-scopes).
+//! - **Inside compression** (`CompressionLayer` outside this layer), so that records hold the
+//!   identity body and each replay is compressed for the retry's own `Accept-Encoding`.
+//! - **Outside timeouts is fine**: a `TimeoutLayer` outside drops the response future, but the
+//!   claimed work runs on its own task and its answer is recorded for the retry.
+//! - **Inside rate limiting** and concurrency limits, so that rejected requests never buffer a
+//!   body or claim a key.
 //! - axum's own `Json` extractor also rejects with `422`. Clients tell a reused key from a bad
 //!   body by the problem `type` (`…/problems/#key-reused`), not by the status.
-//! - A `409`'s `Retry-After` is the remaining lease (up to 30 s for a handler that takes 1.5 s):
-//!   the time after which a retry surely makes progress. Cap it with
-//!   [`IdempotencyLayer::with_in_progress_retry_after`], or let retries wait for the answer
-//!   with [`IdempotencyLayer::with_wait`].
+//! - A `409`'s `Retry-After` is 1 s, whatever the lease: a hint for the work, so a duplicate
+//!   comes back soon after a fast handler finishes. For handlers that take longer, raise it
+//!   with [`InProgress::retry_after`], or let retries wait for the
+//!   answer with [`InProgress::wait`] (both through [`IdempotencyLayer::with_in_progress`]).
 //! - Transactional completion ([`RecordDecision::AlreadyRecorded`], the Postgres store's
 //!   `record_in`) should use a connection pool of its own: the store's pool carries every
 //!   claim and renewal.
@@ -186,17 +220,6 @@
 //! writing your own, and the `conformance` feature (`tower_idempotency::conformance`) to run
 //! the suite against it from your own tests.
 //!
-//! # Where to put the layer
-//!
-//! - **Inside authentication**, so that the scope function can read the principal from the
-//!   request extensions. A layer needs a scope ([`IdempotencyLayer::with_scope`]) or an
-//!   explicit [`IdempotencyLayer::unscoped`]; with neither, keyed requests get 500.
-//! - **Inside compression** (`CompressionLayer` outside this layer), so that records hold the
-//!   identity body and each replay is compressed for the retry's own `Accept-Encoding`.
-//! - **Outside timeouts is fine**: a `TimeoutLayer` outside drops the response future, but the
-//!   claimed work runs on its own task and its answer is recorded for the retry.
-//! - **Inside rate limiting**, so that rejected requests never claim a key.
-//!
 //! # Feature flags
 //!
 //! | feature | default | enables |
@@ -206,7 +229,7 @@
 //! | `redis-tls` | no | `rediss://` for the Redis store, with rustls ([`security`](crate::security#tls-to-the-stores)) |
 //! | `postgres-tls` | no | TLS for the Postgres store as `sslmode` says, with rustls |
 //! | `client` | no | `client`: the retry layer for clients, with `tower`'s retry and `httpdate` |
-//! | `axum` | no | [`IdempotencyContext`] as an axum extractor, and fingerprints of the path the client sent inside nested routers |
+//! | `axum` | no | fingerprints of the path the client sent inside nested routers (`OriginalUri`), which **changes the fingerprints of nested routes** ([more](#the-axum-feature-nested-routers-and-the-extractor)); [`IdempotencyContext`] as an extractor of its own (without the feature, use `Extension<IdempotencyContext>`); `MatchedPath` route labels for `metrics` |
 //! | `conformance` | no | `conformance`: the store conformance suite, to test a custom store |
 //! | `metrics` | no | counters and histograms through the `metrics` facade (0.24): outcomes, store latency, body sizes, waits; names in `docs/operations.md` |
 //!
@@ -218,41 +241,18 @@
 //! live. The run book (sizing, Redis and Postgres settings, tuning, alerts) is
 //! `docs/operations.md` in the repository.
 //!
-//! # What "exactly once" means here
+//! # Caveats
 //!
-//! The layer guarantees **at most one execution per (scope, key) at a time, and a replayed
-//! first answer**, within the retention TTL (24 h by default). What it cannot promise:
+//! What "exactly once" means here, the windows where it cannot hold (a holder cut off from
+//! the store past its lease, a store that loses acknowledged writes, the TTL, an answer the
+//! store would not take, a claim whose reply is lost) and the arithmetic behind the lease,
+//! renewal interval, store deadline and TTL are on one page: [`guarantees`]. Use
+//! [`IdempotencyContext::derive`] to give downstream calls their own idempotency keys, so that
+//! a second run after a takeover repeats them harmlessly.
 //!
-//! - **A holder cut off from the store, or paused.** If a handler runs longer than its lease
-//!   while its renewals cannot reach the store (or its process is paused: a GC pause, a
-//!   `SIGSTOP`, a VM migration), the lease lapses and a retry with the same request takes
-//!   over (generation 2). Both may then act. The late holder's answer is fenced and never
-//!   overwrites the record. Use [`IdempotencyContext::derive`] to give downstream calls their
-//!   own idempotency keys, so that a takeover repeats them harmlessly. One hung or failed
-//!   renewal is harmless: renewals run every `lease / 3` at fixed times, each under its own
-//!   deadline, so one failed renewal leaves a third of the lease to spare; after two in a
-//!   row the lease is at its edge (the [guarantees] page has the exact bound).
-//! - **An answer the store would not take.** When `complete` fails (or hangs past its
-//!   deadline) on every attempt until the lease ends, the client still gets its answer, but
-//!   the record stays in progress: retries get `409` until the lease lapses, and then the
-//!   same request runs again. The error log says so.
-//! - **A claim whose reply is lost.** Every store call has a deadline
-//!   ([`Retention::with_store_timeout`]). A claim past it is answered `503` and never run; if
-//!   it did take effect, the layer releases it in the background, and if that fails too, the
-//!   key answers `409` until the lease lapses.
-//! - **A store that loses acknowledged writes**: a Redis failover before replication, a
-//!   Postgres restore from an old backup.
-//! - **After the TTL** a key is new again.
-//! - **Bodies beyond `max_response_body`** are not kept: retries get `410` with the original
-//!   status, never a second execution. A large gRPC answer is settled by its trailing status
-//!   when the stream ends; one the client abandons before its end is kept as completed (its
-//!   status is unknown and the work ran).
-//! - Request trailers are not forwarded for keyed requests (the body is buffered).
-//! - Fingerprints are versioned (`v1`); a future version would make in-flight retries across
-//!   an upgrade answer `422`.
+//! Traps in practice:
 //!
-//! [`guarantees`] spells out each window, the arithmetic behind the lease, renewal interval,
-//! store deadline and TTL, and every rejected input with its exact response.
+//! - The traps of layer order are under [Where to put the layer](#where-to-put-the-layer).
 //!
 //! Errors the layer makes are responses, never `Err`: `problem+json` (RFC 9457) with a stable
 //! `type` per kind ([`problems`]) and `Cache-Control: no-store`, or a gRPC status for gRPC
@@ -264,17 +264,21 @@ mod body;
 #[cfg(feature = "client")]
 #[cfg_attr(docsrs, doc(cfg(feature = "client")))]
 pub mod client;
+mod config;
 mod context;
 mod error;
 mod fingerprint;
+mod grpc;
 mod key;
 mod layer;
 mod metrics;
 mod policy;
 mod record;
+mod recording;
 mod response;
 mod service;
 pub mod store;
+mod webhook;
 
 #[cfg(feature = "axum")]
 mod axum;
@@ -288,32 +292,34 @@ pub mod conformance;
 
 pub use abandoned::Abandoned;
 pub use body::{RequestBody, ResponseBody};
+pub use config::{InProgress, StoreFailure, Timing, DEFAULT_STORE_TIMEOUT_MAX, MIN_LEASE};
 pub use context::IdempotencyContext;
 pub use error::{ConfigError, ErrorKind, IdempotencyError};
-pub use fingerprint::JsonPointer;
-pub use layer::{IdempotencyLayer, Retention, DEFAULT_STORE_TIMEOUT_MAX, MIN_LEASE, TTL_HEADER};
+pub use fingerprint::{Fingerprinting, JsonPointer};
+pub use grpc::Grpc;
+pub use key::{Key, KeyPart};
+pub use layer::IdempotencyLayer;
 pub use policy::{DefaultRecordPolicy, RecordDecision, RecordPolicy, ResponseInfo};
-pub use record::{
-    Completion, DecodeError, Fingerprint, Record, RecordId, RecordState, ScopeId, StoredResponse,
-    Token,
-};
+pub use response::TTL_HEADER;
 pub use service::{Idempotency, ResponseFuture};
+pub use webhook::{Webhook, DEFAULT_WEBHOOK_TTL};
 
 /// The problem types the layer answers with. Each `type` URI points at its section here.
 ///
 /// | status | type | when | gRPC status |
 /// |---|---|---|---|
-/// | 400 | [`key-missing`](#key-missing) | a protected request without a key | `INVALID_ARGUMENT` |
+/// | 400 | [`key-missing`](#key-missing) | a protected request without a key (where it was expected is in `detail`) | `INVALID_ARGUMENT` |
 /// | 400 | [`key-invalid`](#key-invalid) | empty, > 255 characters, not visible ASCII, bad sf-string, or two field lines | `INVALID_ARGUMENT` |
 /// | 400 | [`body-unreadable`](#body-unreadable) | the request body failed while being read | `INVALID_ARGUMENT` |
 /// | 413 | [`body-too-large`](#body-too-large) | the body exceeds `max_request_body` | `RESOURCE_EXHAUSTED` |
 /// | 408 | [`body-timeout`](#body-timeout) | the body did not arrive within `request_body_timeout` | `DEADLINE_EXCEEDED` |
-/// | 409 | [`in-progress`](#in-progress) | the first request with this key still runs; `Retry-After` says when its lease ends | `ABORTED` |
+/// | 409 | [`in-progress`](#in-progress) | the first request with this key still runs; retry after `Retry-After` (1 s by default). `503` under [`Webhook`] | `ABORTED` |
 /// | 422 | [`key-reused`](#key-reused) | the key was used with a different request (body, path, method) | `FAILED_PRECONDITION` |
 /// | 410 | [`response-not-retained`](#response-not-retained) | the original completed, but its response was too large to keep | `ALREADY_EXISTS` |
 /// | 429 | [`quota-exceeded`](#quota-exceeded) | the caller's scope holds as many records as the store's per-scope quota allows | `RESOURCE_EXHAUSTED` |
 /// | 503 | [`store-unavailable`](#store-unavailable) | the store failed; nothing ran; `Retry-After: 1` | `UNAVAILABLE` |
 /// | 500 | [`scope-missing`](#scope-missing) | no scope configured, or the scope function found none | `INTERNAL` |
+/// | 500 | [`context-missing`](#context-missing) | axum only: a handler takes `IdempotencyContext`, and the layer did not run for the request | — |
 ///
 /// Every problem carries `type`, `title`, `status` and `detail`; `in-progress` and
 /// `store-unavailable` add `retry_after` (seconds), `response-not-retained` adds
@@ -321,11 +327,15 @@ pub use service::{Idempotency, ResponseFuture};
 ///
 /// # key-missing
 /// Send an `Idempotency-Key` header: a unique value per logical operation (a UUID), reused
-/// unchanged for every retry of that operation.
+/// unchanged for every retry of that operation. Where the server reads the key from
+/// elsewhere (another header, a field of the JSON body, as webhook receivers do), the
+/// `detail` names the place, as in "the webhook id at JSON pointer `/id` in the request body
+/// is missing".
 ///
 /// # key-invalid
 /// A key is 1 to 255 visible ASCII characters (`0x21`–`0x7E`), sent once, as a bare token or
-/// an RFC 8941 string (`"abc"` is the key `abc`).
+/// an RFC 8941 string (`"abc"` is the key `abc`). A key in the JSON body is a string or an
+/// integer, named once on its path. The `detail` names the key's place and what is wrong.
 ///
 /// # body-unreadable
 /// The connection failed while the body was being read. Nothing was claimed; retry.
@@ -357,6 +367,12 @@ pub use service::{Idempotency, ResponseFuture};
 /// A server configuration error: the layer has no scope function (and was not made
 /// `unscoped()` on purpose), or it runs before the layer that sets the scope (usually
 /// authentication).
+///
+/// # context-missing
+/// A server configuration error (axum): the handler extracts an `IdempotencyContext`, and
+/// the idempotency layer did not run in front of it for this request. The route is not
+/// wrapped, or the layer's methods, filter or optional key let the request through. Use
+/// `Option<IdempotencyContext>` where the layer may pass a request through.
 pub mod problems {}
 
 #[doc = include_str!("docs/tonic.md")]
@@ -367,6 +383,14 @@ pub mod security {}
 
 #[doc = include_str!("docs/guarantees.md")]
 pub mod guarantees {}
+
+#[doc = include_str!("docs/webhooks.md")]
+pub mod webhooks_guide {}
+
+/// The README's Rust blocks, run as doctests so that its code keeps compiling.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
 
 /// Not public API: hooks for the benchmarks and the fuzz target (`fuzz/`).
 #[doc(hidden)]

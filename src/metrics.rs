@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::layer::Config;
+use crate::config::Config;
 
 /// Keyed requests by how the layer answered them, one per request.
 #[cfg(feature = "metrics")]
@@ -50,8 +50,10 @@ impl Labels {
         {
             let route = matched_path(ext)
                 .or_else(|| {
-                    grpc.then(|| cfg.grpc_pattern(path))
-                        .flatten()
+                    cfg.grpc
+                        .as_ref()
+                        .filter(|_| grpc)
+                        .and_then(|g| g.pattern(path))
                         .map(|p| Cow::Owned(p.to_owned()))
                 })
                 .unwrap_or_else(|| cfg.route_label.clone());
@@ -66,7 +68,8 @@ impl Labels {
     }
 
     /// Counts one keyed request by its answer.
-    pub(crate) fn outcome(&self, outcome: &'static str) {
+    pub(crate) fn outcome(&self, outcome: Outcome) {
+        let outcome = outcome.as_str();
         #[cfg(feature = "metrics")]
         metrics::counter!(REQUESTS, "outcome" => outcome, "route" => self.route.clone(),
             "protocol" => self.protocol, "store" => self.store)
@@ -74,8 +77,9 @@ impl Labels {
         let _ = outcome;
     }
 
-    /// Counts a store event: `recorded`, `fenced` or `takeover`.
-    pub(crate) fn event(&self, event: &'static str) {
+    /// Counts a store event.
+    pub(crate) fn event(&self, event: Event) {
+        let event = event.as_str();
         #[cfg(feature = "metrics")]
         metrics::counter!(EVENTS, "event" => event, "route" => self.route.clone(),
             "protocol" => self.protocol, "store" => self.store)
@@ -155,4 +159,66 @@ pub(crate) async fn timed<T>(timer: StoreTimer, call: impl std::future::Future<O
     let out = call.await;
     drop(timer);
     out
+}
+
+/// How a keyed request was answered: the `outcome` label of the requests counter and the
+/// `outcome` field of the request's span (docs/operations.md lists them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    Executed,
+    Replayed,
+    Conflict,
+    Mismatch,
+    Tombstoned,
+    Released,
+    KeyMissing,
+    KeyInvalid,
+    BodyTooLarge,
+    BodyTimeout,
+    BodyUnreadable,
+    ScopeMissing,
+    StoreError,
+    OverQuota,
+}
+
+impl Outcome {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Self::Executed => "executed",
+            Self::Replayed => "replayed",
+            Self::Conflict => "conflict",
+            Self::Mismatch => "mismatch",
+            Self::Tombstoned => "tombstoned",
+            Self::Released => "released",
+            Self::KeyMissing => "key_missing",
+            Self::KeyInvalid => "key_invalid",
+            Self::BodyTooLarge => "body_too_large",
+            Self::BodyTimeout => "body_timeout",
+            Self::BodyUnreadable => "body_unreadable",
+            Self::ScopeMissing => "scope_missing",
+            Self::StoreError => "store_error",
+            Self::OverQuota => "over_quota",
+        }
+    }
+}
+
+/// A store event beside the answer: the `event` label of the events counter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Event {
+    /// The answer was recorded.
+    Recorded,
+    /// A write of this attempt was fenced: another attempt (or an operator) has the key.
+    Fenced,
+    /// This claim took over a lapsed lease.
+    Takeover,
+}
+
+impl Event {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Self::Recorded => "recorded",
+            Self::Fenced => "fenced",
+            Self::Takeover => "takeover",
+        }
+    }
 }

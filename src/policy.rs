@@ -6,6 +6,7 @@ use http::{HeaderMap, StatusCode};
 ///
 /// A handler can put one into its response extensions; it overrides the layer's policy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum RecordDecision {
     /// Keep the answer and replay it to every retry.
     Record,
@@ -118,27 +119,16 @@ pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
         })
 }
 
-/// The handler's explicit word first, then `Cache-Control: no-store` when the user opted in,
-/// then the policy.
+/// The handler's explicit word first, then the policy. `Cache-Control: no-store` is not read:
+/// many APIs send it on every response, and reading it as "do not record" would silently
+/// turn idempotency off.
 pub(crate) fn decide(
     policy: &dyn RecordPolicy,
     extension: Option<RecordDecision>,
-    release_on_no_store: bool,
     info: &ResponseInfo<'_>,
 ) -> RecordDecision {
     if let Some(d) = extension {
         return d;
-    }
-    let no_store = release_on_no_store
-        && info
-            .headers
-            .get_all(http::header::CACHE_CONTROL)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .any(|d| d.trim().eq_ignore_ascii_case("no-store"));
-    if no_store {
-        return RecordDecision::Release;
     }
     if policy.should_record(info) {
         RecordDecision::Record
@@ -210,13 +200,13 @@ mod tests {
     }
 
     #[test]
-    fn extension_then_no_store_when_opted_in_then_policy() {
+    fn the_handlers_extension_comes_before_the_policy_and_no_store_alone_records() {
         let mut h = HeaderMap::new();
         let info = ResponseInfo::new(StatusCode::CREATED, &h, None);
         let p = &DefaultRecordPolicy;
-        assert_eq!(decide(p, None, true, &info), RecordDecision::Record);
+        assert_eq!(decide(p, None, &info), RecordDecision::Record);
         assert_eq!(
-            decide(p, Some(RecordDecision::Release), false, &info),
+            decide(p, Some(RecordDecision::Release), &info),
             RecordDecision::Release
         );
         h.insert(
@@ -225,14 +215,13 @@ mod tests {
         );
         let info = ResponseInfo::new(StatusCode::CREATED, &h, None);
         assert_eq!(
-            decide(p, None, false, &info),
+            decide(p, None, &info),
             RecordDecision::Record,
             "no-store alone must not turn idempotency off"
         );
-        assert_eq!(decide(p, None, true, &info), RecordDecision::Release);
         assert_eq!(
-            decide(p, Some(RecordDecision::Record), true, &info),
-            RecordDecision::Record
+            decide(p, Some(RecordDecision::Release), &info),
+            RecordDecision::Release
         );
     }
 }

@@ -164,8 +164,8 @@ impl fmt::Display for Fingerprint {
 
 /// Proof of one claim: the record's generation and a random nonce.
 ///
-/// The nonce matters: after a release the key starts again at generation 1, and a
-/// holder that outlived its lease must not be able to complete the new claim.
+/// The nonce matters: after a first claim's release the key starts again at generation 1,
+/// and a holder that outlived its lease must not be able to complete the new claim.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Token {
     generation: u64,
@@ -198,6 +198,23 @@ impl Token {
     /// The random part.
     pub const fn nonce(&self) -> &[u8; 16] {
         &self.nonce
+    }
+
+    /// What a record keeps in place of this token once this token released it and the record
+    /// stayed (a takeover's release keeps the key's history): the same generation, and a nonce
+    /// derived from this one. No claim holds it, so this token is fenced from then on, and a
+    /// release sent again recognises its own. One-way, so that nothing read from a record
+    /// leads back to a token that holds it.
+    pub(crate) fn released(&self) -> Self {
+        let mut h = Sha256::new();
+        h.update(b"tower-idempotency released\0");
+        h.update(self.nonce);
+        let mut nonce = [0u8; 16];
+        nonce.copy_from_slice(&h.finalize()[..16]);
+        Self {
+            generation: self.generation,
+            nonce,
+        }
     }
 }
 
@@ -273,7 +290,12 @@ thread_local! {
 }
 
 /// A recorded response, replayed byte for byte.
+///
+/// Built by the layer (and by [`IdempotencyContext::completion`](crate::IdempotencyContext::completion)
+/// for a handler that records its own answer), which also derives the guards a record
+/// carries beside the answer; a store keeps it whole with [`Completion::encode`].
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct StoredResponse {
     /// The status code.
     pub status: StatusCode,
@@ -283,6 +305,48 @@ pub struct StoredResponse {
     pub body: Bytes,
     /// The trailers, when the body had them.
     pub trailers: Option<HeaderMap>,
+    /// The request headers the answer varies on and the recording request's values of them:
+    /// a field of the record, not a header, so neither the deny-list nor the header caps
+    /// can drop it.
+    pub(crate) vary: Option<VaryGuard>,
+}
+
+impl StoredResponse {
+    /// A response to record, without guards (for tests and stores that build one by hand).
+    pub fn new(
+        status: StatusCode,
+        headers: HeaderMap,
+        body: Bytes,
+        trailers: Option<HeaderMap>,
+    ) -> Self {
+        Self {
+            status,
+            headers,
+            body,
+            trailers,
+            vary: None,
+        }
+    }
+
+    /// Whether this fits the caps decoding enforces, as it will be stored.
+    pub(crate) fn fits(&self) -> bool {
+        fits_record(&self.headers)
+            && self.trailers.as_ref().is_none_or(fits_record)
+            && self.body.len() <= u32::MAX as usize
+            && self
+                .vary
+                .as_ref()
+                .is_none_or(|v| v.names.len() <= MAX_RECORDED_FIELD_BYTES)
+    }
+}
+
+/// What a recorded answer's `Vary` names, and a SHA-256 of the recording request's values of
+/// those headers: a retry that sends other values is not given the answer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct VaryGuard {
+    /// Lower-case header names, sorted, once each, joined by `,`.
+    pub(crate) names: Box<str>,
+    pub(crate) digest: [u8; 32],
 }
 
 /// How a claimed request ended, as `complete` records it.
@@ -316,6 +380,7 @@ pub enum RecordState {
 
 /// One idempotency record, as `claim` and `get` return it.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Record {
     /// The fingerprint of the request that claimed the key.
     pub fingerprint: Fingerprint,
@@ -323,6 +388,29 @@ pub struct Record {
     pub generation: u64,
     /// In progress or completed.
     pub state: RecordState,
+    /// The token of the claim that holds the record, or completed it, where the store can
+    /// tell: the layer knows its own claim's record by it. A generation alone repeats after
+    /// an operator's `force_release` and a new first claim.
+    pub holder: Option<Token>,
+}
+
+impl Record {
+    /// A record with no [`holder`](Self::holder) known.
+    pub fn new(fingerprint: Fingerprint, generation: u64, state: RecordState) -> Self {
+        Self {
+            fingerprint,
+            generation,
+            state,
+            holder: None,
+        }
+    }
+
+    /// The same record, held (or completed) by `token`'s claim.
+    #[must_use]
+    pub fn with_holder(mut self, token: Token) -> Self {
+        self.holder = Some(token);
+        self
+    }
 }
 
 /// Why stored bytes could not be decoded.
@@ -337,8 +425,10 @@ impl fmt::Display for DecodeError {
 
 impl std::error::Error for DecodeError {}
 
-/// Version byte of the completion encoding; bump on any layout change.
-const COMPLETION_FORMAT: u8 = 1;
+/// Version byte of the completion encoding; bump on any layout change. Version 1 kept the
+/// Vary digest as a header; it is still read.
+const COMPLETION_FORMAT: u8 = 2;
+const COMPLETION_FORMAT_V1: u8 = 1;
 const KIND_RESPONSE: u8 = 0;
 const KIND_TOMBSTONE: u8 = 1;
 
@@ -346,8 +436,9 @@ impl Completion {
     /// Encodes to the compact, versioned binary form stores keep.
     ///
     /// Layout (big-endian): version `u8`, kind `u8`, status `u16`; for a response then
-    /// headers, body (`u32` length + bytes) and trailers (`u8` present flag + headers),
-    /// where headers are a `u32` count of (`u16` name length, name, `u32` value length, value).
+    /// headers, body (`u32` length + bytes), trailers (`u8` present flag + headers) and the
+    /// Vary guard (`u8` present flag, `u32` length + names, 32-byte digest), where headers
+    /// are a `u32` count of (`u16` name length, name, `u32` value length, value).
     /// Bodies are raw bytes: no base64.
     pub fn encode(&self) -> Vec<u8> {
         match self {
@@ -373,6 +464,7 @@ impl Completion {
                         put_headers(&mut out, t);
                     }
                 }
+                put_vary(&mut out, r.vary.as_ref());
                 out
             }
         }
@@ -382,7 +474,8 @@ impl Completion {
     pub fn decode(bytes: Bytes) -> Result<Self, DecodeError> {
         let mut buf = bytes;
         need(&buf, 4)?;
-        if buf.get_u8() != COMPLETION_FORMAT {
+        let version = buf.get_u8();
+        if version != COMPLETION_FORMAT && version != COMPLETION_FORMAT_V1 {
             return Err(DecodeError("unknown format version"));
         }
         let kind = buf.get_u8();
@@ -402,6 +495,12 @@ impl Completion {
                     1 => Some(get_headers(&mut buf)?),
                     _ => return Err(DecodeError("invalid trailer flag")),
                 };
+                let mut headers = headers;
+                let vary = if version == COMPLETION_FORMAT_V1 {
+                    crate::recording::legacy_vary_guard(&mut headers)
+                } else {
+                    get_vary(&mut buf)?
+                };
                 if buf.has_remaining() {
                     return Err(DecodeError("trailing bytes"));
                 }
@@ -410,6 +509,7 @@ impl Completion {
                     headers,
                     body,
                     trailers,
+                    vary,
                 }))
             }
             _ => Err(DecodeError("unknown completion kind")),
@@ -492,6 +592,42 @@ pub(crate) fn get_headers(buf: &mut Bytes) -> Result<HeaderMap, DecodeError> {
     Ok(headers)
 }
 
+/// Appends the Vary guard in the layout [`Completion::encode`] uses.
+pub(crate) fn put_vary(out: &mut Vec<u8>, vary: Option<&VaryGuard>) {
+    match vary {
+        None => out.put_u8(0),
+        Some(v) => {
+            out.put_u8(1);
+            out.put_u32(v.names.len() as u32);
+            out.extend_from_slice(v.names.as_bytes());
+            out.extend_from_slice(&v.digest);
+        }
+    }
+}
+
+/// Reads what [`put_vary`] wrote, under the same byte cap as a header map.
+pub(crate) fn get_vary(buf: &mut Bytes) -> Result<Option<VaryGuard>, DecodeError> {
+    need(buf, 1)?;
+    match buf.get_u8() {
+        0 => Ok(None),
+        1 => {
+            need(buf, 4)?;
+            let n = buf.get_u32() as usize;
+            if n > MAX_RECORDED_FIELD_BYTES {
+                return Err(DecodeError("vary names too large"));
+            }
+            need(buf, n + 32)?;
+            let names = std::str::from_utf8(&buf.split_to(n))
+                .map_err(|_| DecodeError("vary names are not UTF-8"))?
+                .into();
+            let mut digest = [0; 32];
+            buf.copy_to_slice(&mut digest);
+            Ok(Some(VaryGuard { names, digest }))
+        }
+        _ => Err(DecodeError("invalid vary flag")),
+    }
+}
+
 pub(crate) fn hex(bytes: &[u8]) -> String {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
     let mut s = String::with_capacity(bytes.len() * 2);
@@ -518,12 +654,17 @@ mod tests {
         let mut trailers = HeaderMap::new();
         trailers.insert("grpc-status", HeaderValue::from_static("0"));
         let body: Vec<u8> = (0..=255u8).cycle().take(70_000).collect();
-        let c = Completion::Response(StoredResponse {
-            status: StatusCode::CREATED,
+        let mut r = StoredResponse::new(
+            StatusCode::CREATED,
             headers,
-            body: Bytes::from(body),
-            trailers: Some(trailers),
+            Bytes::from(body),
+            Some(trailers),
+        );
+        r.vary = Some(VaryGuard {
+            names: "accept,authorization".into(),
+            digest: [3; 32],
         });
+        let c = Completion::Response(r);
         assert_eq!(Completion::decode(Bytes::from(c.encode())).unwrap(), c);
         let t = Completion::Tombstone {
             status: StatusCode::OK,
@@ -546,6 +687,7 @@ mod tests {
             }
             out.put_u32(0);
             out.put_u8(0);
+            out.put_u8(0);
             Bytes::from(out)
         };
         let err = Completion::decode(encode(30_000, 1)).unwrap_err();
@@ -558,19 +700,30 @@ mod tests {
 
     #[test]
     fn truncated_or_unknown_encodings_are_errors_not_panics() {
-        let c = Completion::Response(StoredResponse {
-            status: StatusCode::OK,
-            headers: HeaderMap::new(),
-            body: Bytes::from_static(b"hello"),
-            trailers: None,
+        let mut r = StoredResponse::new(
+            StatusCode::OK,
+            HeaderMap::new(),
+            Bytes::from_static(b"hello"),
+            None,
+        );
+        r.vary = Some(VaryGuard {
+            names: "authorization".into(),
+            digest: [1; 32],
         });
-        let bytes = c.encode();
+        let bytes = Completion::Response(r).encode();
         for cut in 0..bytes.len() {
             assert!(Completion::decode(Bytes::copy_from_slice(&bytes[..cut])).is_err());
         }
-        let mut v2 = bytes.clone();
-        v2[0] = 2;
-        assert!(Completion::decode(Bytes::from(v2)).is_err());
+        let mut v3 = bytes.clone();
+        v3[0] = 3;
+        assert!(Completion::decode(Bytes::from(v3)).is_err());
+        let mut bad_flag = bytes.clone();
+        let flag = bytes.len() - 1 - 32 - "authorization".len() - 4;
+        bad_flag[flag] = 2;
+        assert_eq!(
+            Completion::decode(Bytes::from(bad_flag)).unwrap_err(),
+            DecodeError("invalid vary flag")
+        );
     }
 
     #[test]
@@ -603,6 +756,17 @@ mod tests {
     fn tokens_of_the_same_generation_differ() {
         assert_ne!(Token::generate(1).unwrap(), Token::generate(1).unwrap());
         assert_eq!(Token::generate(7).unwrap().generation(), 7);
+    }
+
+    #[test]
+    fn a_released_token_keeps_its_generation_and_leads_back_to_no_holder() {
+        let t = Token::from_parts(2, [9; 16]);
+        let released = t.released();
+        assert_eq!(released.generation(), 2);
+        assert_ne!(released, t);
+        assert_eq!(released, t.released(), "a resent release finds its own");
+        assert_ne!(released.released(), t);
+        assert_ne!(Token::from_parts(2, [8; 16]).released(), released);
     }
 
     #[test]

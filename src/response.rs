@@ -13,13 +13,17 @@ use crate::record::StoredResponse;
 /// `Idempotent-Replayed: true` marks an answer that came from the store.
 pub(crate) const REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
+/// The header that publishes how long keys live, when
+/// [`with_ttl_header`](crate::IdempotencyLayer::with_ttl_header) is on.
+pub const TTL_HEADER: HeaderName = HeaderName::from_static("idempotency-key-ttl");
+
 /// Renders an error as RFC 9457 problem+json.
 pub(crate) fn problem(err: &IdempotencyError) -> Response<Bytes> {
     let kind = err.kind();
     let mut body = serde_json::json!({
         "type": kind.type_uri(),
         "title": kind.title(),
-        "status": kind.status().as_u16(),
+        "status": err.status().as_u16(),
         "detail": err.detail(),
     });
     if let Some(secs) = err.retry_after_secs() {
@@ -29,7 +33,7 @@ pub(crate) fn problem(err: &IdempotencyError) -> Response<Bytes> {
         body["original_status"] = status.as_u16().into();
     }
     let mut res = Response::new(Bytes::from(body.to_string()));
-    *res.status_mut() = kind.status();
+    *res.status_mut() = err.status();
     let h = res.headers_mut();
     h.insert(
         CONTENT_TYPE,
@@ -93,7 +97,7 @@ pub(crate) fn grpc_status(err: &IdempotencyError) -> Response<Bytes> {
 /// Duration   { int64 seconds = 1; int32 nanos = 2; }
 /// ```
 ///
-/// Fields at their default (zero) are left out, as protobuf encoders do. `tests/grpc.rs`
+/// Fields at their default (zero) are left out, as protobuf encoders do. `tests/layer/grpc.rs`
 /// decodes it with prost.
 fn status_with_retry_info(code: u8, message: &str, delay: Duration) -> Vec<u8> {
     let mut duration = Vec::new();
@@ -181,74 +185,14 @@ pub(crate) fn replay<B: Body>(stored: StoredResponse) -> Response<ResponseBody<B
     let mut res = Response::new(ResponseBody::full(stored.body, stored.trailers));
     *res.status_mut() = stored.status;
     *res.headers_mut() = stored.headers;
-    res.headers_mut().remove(VARY_DIGEST);
     res.headers_mut()
         .insert(REPLAYED, HeaderValue::from_static("true"));
     res
 }
 
-/// Kept in a record beside the answer's headers, never sent: a digest of the request's
-/// values of the headers the answer's `Vary` names. Removed on replay.
+/// Where records of the first encoding kept the Vary digest, as a header (read by
+/// [`crate::recording::legacy_vary_guard`]); never recorded from an inner service.
 pub(crate) const VARY_DIGEST: HeaderName = HeaderName::from_static("idempotency-vary-digest");
-
-/// The request header names an answer's `Vary` lists: lower-case, sorted, once each.
-/// `Vary: *` (varies on more than headers) names nothing that can be matched; the scope and
-/// the fingerprint are all that decide then.
-fn vary_names(answer: &HeaderMap) -> Vec<String> {
-    let mut names: Vec<String> = answer
-        .get_all(http::header::VARY)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .map(|n| n.trim().to_ascii_lowercase())
-        .filter(|n| !n.is_empty() && n != "*")
-        .collect();
-    names.sort_unstable();
-    names.dedup();
-    names
-}
-
-/// The digest of `request`'s values of `names`, each name's values in order.
-fn vary_digest(names: &[String], request: &HeaderMap) -> String {
-    use sha2::{Digest, Sha256};
-    let mut h = Sha256::new();
-    h.update(b"tower-idempotency vary v1\0");
-    for name in names {
-        h.update((name.len() as u64).to_be_bytes());
-        h.update(name.as_bytes());
-        let values = request.get_all(name.as_str());
-        h.update((values.iter().count() as u64).to_be_bytes());
-        for v in values {
-            h.update((v.len() as u64).to_be_bytes());
-            h.update(v.as_bytes());
-        }
-    }
-    crate::record::hex(&h.finalize())
-}
-
-/// Adds the [`VARY_DIGEST`] of `request` to recorded headers whose `Vary` names headers.
-pub(crate) fn note_vary(recorded: &mut HeaderMap, request: &HeaderMap) {
-    let names = vary_names(recorded);
-    if names.is_empty() {
-        return;
-    }
-    let digest = vary_digest(&names, request);
-    recorded.insert(
-        VARY_DIGEST,
-        HeaderValue::from_str(&digest).expect("hex is a valid header value"),
-    );
-}
-
-/// Whether `request` may be given `stored`: it sends the same values of every header the
-/// answer varies on. A record without a digest (recorded with Vary matching off, or with no
-/// `Vary`) matches.
-pub(crate) fn vary_matches(stored: &StoredResponse, request: &HeaderMap) -> bool {
-    let Some(recorded) = stored.headers.get(VARY_DIGEST) else {
-        return true;
-    };
-    let names = vary_names(&stored.headers);
-    vary_digest(&names, request).as_bytes() == recorded.as_bytes()
-}
 
 /// Never recorded, in headers or trailers, on HTTP or gRPC: the connection's own (HTTP/2
 /// refuses them), values that describe one transmission, cookies (a replay must not hand one

@@ -1,4 +1,4 @@
-//! Payment intents sent through the retry layer, shared by `main.rs` and `tests/client.rs`.
+//! Payment intents sent through the retry layer, shared by `main.rs` and `tests/client/client.rs`.
 // The example prints the summary; the test also reads each intent's payment and attempts.
 #![allow(dead_code)]
 

@@ -1,6 +1,6 @@
 //! Run with: `cargo run --example client --features client -- --target http://127.0.0.1:3000 --intents 100`
 //!
-//! Sends payment intents to a running shop (`cargo run --example shop --features axum`) through
+//! Sends payment intents to a running shop (`cargo run --example shop`) through
 //! `IdempotentRetryLayer`, each with its own `Idempotency-Key`, and prints one summary line:
 //! `intents=100 attempts=100 replays=0 failures=0`. `--concurrency` (default 8) sets how many
 //! are in flight at once.

@@ -1,4 +1,4 @@
-//! Settings both examples read from the environment.
+//! Settings the examples read from the environment.
 // The examples and the tests that include this file each use part of it.
 #![allow(dead_code)]
 
@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tower_idempotency::store::{AdminStore, MemoryStore};
-use tower_idempotency::Retention;
+use tower_idempotency::Timing;
 
 pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -41,9 +41,9 @@ pub(crate) fn init_tracing() {
         .init();
 }
 
-/// `CARD_LATENCY_MS` (default 50) and the retention from `IDEMPOTENCY_LEASE_MS` (default
+/// `CARD_LATENCY_MS` (default 50) and the lease and TTL from `IDEMPOTENCY_LEASE_MS` (default
 /// 30000) and `IDEMPOTENCY_TTL_SECS` (default 86400).
-pub(crate) fn settings_from_env() -> Result<(Duration, Retention), BoxError> {
+pub(crate) fn settings_from_env() -> Result<(Duration, Timing), BoxError> {
     let num = |var: &str, default: u64| -> Result<u64, BoxError> {
         match std::env::var(var) {
             Ok(v) => v.parse().map_err(|e| format!("{var}={v:?}: {e}").into()),
@@ -51,28 +51,38 @@ pub(crate) fn settings_from_env() -> Result<(Duration, Retention), BoxError> {
         }
     };
     let card_latency = Duration::from_millis(num("CARD_LATENCY_MS", 50)?);
-    let retention = Retention::new(
+    let timing = Timing::new(
         Duration::from_millis(num("IDEMPOTENCY_LEASE_MS", 30_000)?),
         Duration::from_secs(num("IDEMPOTENCY_TTL_SECS", 86_400)?),
     )?;
-    Ok((card_latency, retention))
+    Ok((card_latency, timing))
 }
 
-/// The store `IDEMPOTENCY_STORE` names: unset or `memory`, `redis://…` (feature `redis`) or
-/// `postgres://…` (feature `postgres`, migrated on start). With the operator API, for the
+/// The store `IDEMPOTENCY_STORE` names: unset or `memory`, `redis://…` or
+/// `redis+sentinel://host:port[,host:port…]/<master-name>` (feature `redis`; with
+/// `IDEMPOTENCY_REDIS_WAIT=<replicas>:<timeout_ms>`, each write waits for that many
+/// replicas) or `postgres://…` (feature `postgres`, migrated on start; a multi-host URL with
+/// `target_session_attrs=read-write` follows a promotion). With the operator API, for the
 /// shop's admin routes.
 pub(crate) async fn store_from_env() -> Result<Arc<dyn AdminStore>, BoxError> {
     let url = std::env::var("IDEMPOTENCY_STORE").unwrap_or_default();
     if url.is_empty() || url == "memory" {
         return Ok(Arc::new(MemoryStore::new()));
     }
-    if url.starts_with("redis://") || url.starts_with("rediss://") {
+    if url.starts_with("redis://")
+        || url.starts_with("rediss://")
+        || url.starts_with("redis+sentinel://")
+    {
         #[cfg(feature = "redis")]
-        return Ok(Arc::new(
-            tower_idempotency::store::redis::RedisStore::connect(&url).await?,
-        ));
+        {
+            let mut builder = tower_idempotency::store::redis::RedisStore::builder();
+            if let Some((replicas, timeout)) = redis_wait_from_env()? {
+                builder = builder.with_wait(replicas, timeout);
+            }
+            return Ok(Arc::new(builder.connect(&url).await?));
+        }
         #[cfg(not(feature = "redis"))]
-        return Err("IDEMPOTENCY_STORE is a redis:// URL: run with `--features redis`".into());
+        return Err("IDEMPOTENCY_STORE is a redis URL: run with `--features redis`".into());
     }
     if url.starts_with("postgres://") || url.starts_with("postgresql://") {
         #[cfg(feature = "postgres")]
@@ -86,5 +96,30 @@ pub(crate) async fn store_from_env() -> Result<Arc<dyn AdminStore>, BoxError> {
             "IDEMPOTENCY_STORE is a postgres:// URL: run with `--features postgres`".into(),
         );
     }
-    Err(format!("IDEMPOTENCY_STORE={url:?}: expected memory, redis://… or postgres://…").into())
+    Err(format!(
+        "IDEMPOTENCY_STORE={url:?}: expected memory, redis://…, redis+sentinel://… or postgres://…"
+    )
+    .into())
+}
+
+/// `IDEMPOTENCY_REDIS_WAIT=<replicas>:<timeout_ms>`, e.g. `1:200`; unset or empty is no `WAIT`.
+#[cfg(feature = "redis")]
+fn redis_wait_from_env() -> Result<Option<(std::num::NonZeroU32, Duration)>, BoxError> {
+    let Ok(v) = std::env::var("IDEMPOTENCY_REDIS_WAIT") else {
+        return Ok(None);
+    };
+    if v.is_empty() {
+        return Ok(None);
+    }
+    let bad = || -> BoxError {
+        format!(
+            "IDEMPOTENCY_REDIS_WAIT={v:?}: expected <replicas>:<timeout_ms> with replicas at \
+             least 1, e.g. 1:200"
+        )
+        .into()
+    };
+    let (n, ms) = v.split_once(':').ok_or_else(bad)?;
+    let n = n.parse::<std::num::NonZeroU32>().map_err(|_| bad())?;
+    let ms = ms.parse::<u64>().map_err(|_| bad())?;
+    Ok(Some((n, Duration::from_millis(ms))))
 }

@@ -1,6 +1,6 @@
 //! Run with: `cargo run --example grpc` (see `main.rs`).
 //!
-//! The gRPC shop's server, shared by `main.rs` and `tests/grpc.rs`.
+//! The gRPC shop's server, shared by `main.rs` and `tests/layer/grpc.rs`.
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,9 +16,9 @@ use tonic::transport::Server;
 use tonic::{Request, Response, Status};
 use tower::layer::util::{Identity, Stack};
 use tower_idempotency::store::IdempotencyStore;
-use tower_idempotency::{IdempotencyLayer, Retention};
+use tower_idempotency::{Grpc, IdempotencyLayer, Timing};
 
-/// The code generated from `examples/proto/shop.proto`, committed (see `tests/grpc.rs`).
+/// The code generated from `examples/proto/shop.proto`, committed (see `tests/layer/grpc.rs`).
 #[allow(unreachable_pub, missing_docs, clippy::all)]
 pub(crate) mod pb {
     include!("generated/shop.v1.rs");
@@ -35,8 +35,8 @@ pub(crate) const COUNT_CHARGES: &str = "/shop.v1.Payments/CountCharges";
 pub(crate) struct ShopConfig {
     /// How long the fake card network takes per charge.
     pub(crate) card_latency: Duration,
-    /// Lease and retention of idempotency records.
-    pub(crate) retention: Retention,
+    /// Lease, retention TTL and store deadline of idempotency records.
+    pub(crate) timing: Timing,
     /// When set, every charge waits at this gate (tests decide when the network answers).
     pub(crate) card_gate: Option<Arc<CardGate>>,
 }
@@ -277,16 +277,21 @@ pub(crate) fn payments(shop: Arc<Shop>) -> PaymentsSvc {
         .named_layer(PaymentsServer::new(PaymentsService(shop)))
 }
 
-/// The example's idempotency layer: every gRPC method needs a key, but the read.
+/// The example's gRPC methods: every one needs a key, but the read.
+pub(crate) fn grpc() -> Grpc {
+    Grpc::all()
+        .passthrough(COUNT_CHARGES)
+        .expect("a gRPC method path")
+}
+
+/// The example's idempotency layer, over [`grpc`].
 pub(crate) fn idempotency(
     store: Arc<dyn IdempotencyStore>,
     config: &ShopConfig,
 ) -> IdempotencyLayer {
     IdempotencyLayer::from_arc(store)
-        .with_retention(config.retention)
-        .with_grpc()
-        .with_grpc_passthrough(COUNT_CHARGES)
-        .expect("a gRPC method path")
+        .with_timing(config.timing)
+        .with_grpc(grpc())
         // One key space per caller, as authenticated outside this layer.
         .with_scope(|req| req.extensions.get::<Principal>().map(|p| p.0.clone()))
 }

@@ -10,10 +10,12 @@
 //! ```
 //!
 //! `IDEMPOTENCY_STORE` picks the store: unset or `memory` for the in-memory store,
-//! `redis://…` (feature `redis`) or `postgres://…` (feature `postgres`).
+//! `redis://…` or `redis+sentinel://host:port[,host:port…]/<master-name>` (feature `redis`;
+//! `IDEMPOTENCY_REDIS_WAIT=<replicas>:<timeout_ms>` turns on `WAIT`) or `postgres://…`
+//! (feature `postgres`).
 //! `CARD_LATENCY_MS`, `IDEMPOTENCY_LEASE_MS` and `IDEMPOTENCY_TTL_SECS` tune it.
 
-// The card gate and the per-service form are there for tests/grpc.rs.
+// The card gate and the per-service form are there for tests/layer/grpc.rs.
 #[allow(dead_code)]
 mod app;
 #[path = "../common/mod.rs"]
@@ -26,10 +28,10 @@ async fn main() -> std::process::ExitCode {
 }
 
 async fn run() -> Result<(), common::BoxError> {
-    let (card_latency, retention) = common::settings_from_env()?;
+    let (card_latency, timing) = common::settings_from_env()?;
     let config = app::ShopConfig {
         card_latency,
-        retention,
+        timing,
         card_gate: None,
     };
     let store = common::store_from_env().await?;

@@ -10,8 +10,8 @@ use axum::routing::get;
 use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::json;
+use tower_idempotency::store::RecordId;
 use tower_idempotency::store::{AdminStore, RecordInfo, RecordStatus, Removal, StoreError};
-use tower_idempotency::RecordId;
 
 #[derive(Clone)]
 struct Admin {

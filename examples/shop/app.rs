@@ -9,19 +9,19 @@ use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::{Extension, Json, Router};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tower_idempotency::store::IdempotencyStore;
-use tower_idempotency::{IdempotencyContext, IdempotencyLayer, Retention};
+use tower_idempotency::{IdempotencyContext, IdempotencyLayer, Timing};
 
 /// The shop's settings.
 #[derive(Debug, Clone)]
 pub(crate) struct ShopConfig {
     /// How long the fake card network takes per charge.
     pub(crate) card_latency: Duration,
-    /// Lease and retention of idempotency records.
-    pub(crate) retention: Retention,
+    /// Lease, retention TTL and store deadline of idempotency records.
+    pub(crate) timing: Timing,
 }
 
 /// The fake card network and the id counters.
@@ -53,7 +53,7 @@ impl Shop {
 pub(crate) fn app(store: Arc<dyn IdempotencyStore>, config: ShopConfig) -> (Router, Arc<Shop>) {
     let shop = Arc::new(Shop::new(config.card_latency));
     let idempotency = IdempotencyLayer::from_arc(store)
-        .with_retention(config.retention)
+        .with_timing(config.timing)
         // One key space per caller, as authenticated outside this layer.
         .with_scope(|req| req.extensions.get::<Principal>().map(|p| p.0.clone()))
         // Tell clients how long keys live (`Idempotency-Key-TTL`).
@@ -169,9 +169,10 @@ struct NewPayment {
 
 async fn create_payment(
     State(shop): State<Arc<Shop>>,
-    // The extractor (feature `axum`): present for every keyed request the layer runs;
-    // absent only in the load script's bare baseline, which has no layer.
-    ctx: Option<IdempotencyContext>,
+    // The layer puts the context into the request extensions of every keyed request it
+    // runs (no crate feature needed); absent only in the load script's bare baseline,
+    // which has no layer.
+    ctx: Option<Extension<IdempotencyContext>>,
     body: Bytes,
 ) -> Response {
     let Ok(p) = serde_json::from_slice::<NewPayment>(&body) else {
@@ -185,7 +186,7 @@ async fn create_payment(
     }
     // The card network, called with a key of its own that is the same on every retry and
     // takeover of this payment, so a second attempt cannot charge twice downstream either.
-    if let Some(ctx) = ctx {
+    if let Some(Extension(ctx)) = ctx {
         let card_key = ctx.derive("card-network");
         tracing::debug!(card_key = &card_key[..16], "charging the card");
     }

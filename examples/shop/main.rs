@@ -1,11 +1,14 @@
-//! Run with: `cargo run --example shop --features axum`
+//! Run with: `cargo run --example shop`
 //!
 //! A payments API on 127.0.0.1:3000 (`SHOP_ADDR` overrides it) behind `IdempotencyLayer`.
 //! `IDEMPOTENCY_STORE` picks the store: unset or `memory` for the in-memory store,
-//! `redis://…` (feature `redis`) or `postgres://…` (feature `postgres`).
+//! `redis://…` or `redis+sentinel://host:port[,host:port…]/<master-name>` (feature `redis`;
+//! `IDEMPOTENCY_REDIS_WAIT=<replicas>:<timeout_ms>` turns on `WAIT`) or `postgres://…`
+//! (feature `postgres`).
 //! `CARD_LATENCY_MS`, `IDEMPOTENCY_LEASE_MS` and `IDEMPOTENCY_TTL_SECS` tune it.
 //! `ADMIN_TOKEN` mounts the admin routes (`/admin/idempotency/{scope}/{key}`) behind that
-//! bearer token; `--features metrics,axum` serves `GET /metrics` (Prometheus).
+//! bearer token; `--features metrics,axum` serves `GET /metrics` (Prometheus, with axum's
+//! matched path as the route label).
 //! `SHOP_IDEMPOTENCY=off` serves the same handlers without the layer, and `noop` behind a
 //! layer that does nothing (the load script's baselines, `bench/load.sh`).
 
@@ -21,10 +24,10 @@ async fn main() -> std::process::ExitCode {
 }
 
 async fn run() -> Result<(), common::BoxError> {
-    let (card_latency, retention) = common::settings_from_env()?;
+    let (card_latency, timing) = common::settings_from_env()?;
     let config = app::ShopConfig {
         card_latency,
-        retention,
+        timing,
     };
     let addr = std::env::var("SHOP_ADDR").unwrap_or_else(|_| "127.0.0.1:3000".into());
     let baseline = match std::env::var("SHOP_IDEMPOTENCY").as_deref() {

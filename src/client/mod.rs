@@ -20,7 +20,11 @@
 //!    most a fraction of the traffic, so an upstream that is down is not hit four times as hard;
 //! 5. **respects the caller's deadline** ([`Deadline`],
 //!    [`with_deadline`](IdempotentRetryLayer::with_deadline)): no retry is sent that would start
-//!    past it;
+//!    past it. When the wait (a `409`'s `Retry-After` included) would end past it, the last
+//!    answer is returned at once, not after sleeping out what is left: a retry sent before
+//!    the server's hint would most likely get the same `409`, and the caller gets its
+//!    remaining time back to answer its own caller (it can retry later with the same key,
+//!    from [`RetryOutcome::key`]);
 //! 6. **reports** on the final response a [`RetryOutcome`] extension: the attempts it took,
 //!    whether the answer was a replay (`Idempotent-Replayed: true`), and the key.
 //!
@@ -272,7 +276,8 @@ impl IdempotentRetryLayer {
     }
 
     /// The overall deadline of each request, counted from the call: no retry is sent that
-    /// would start past it. A [`Deadline`] request extension overrides it.
+    /// would start past it, and a wait that would end past it is not begun (the last answer
+    /// is returned at once). A [`Deadline`] request extension overrides it.
     #[must_use]
     pub fn with_deadline(self, deadline: Duration) -> Self {
         self.map(|c| c.deadline = Some(deadline))

@@ -28,7 +28,7 @@ use bytes::Bytes;
 // tokio's Instant is the monotonic clock, and it follows `tokio::time::pause` in tests.
 use tokio::time::Instant;
 
-use super::{Claim, ClaimOutcome, IdempotencyStore, StoreError, StoreErrorKind};
+use super::{Claim, ClaimOutcome, ClaimRequest, IdempotencyStore, StoreError, StoreErrorKind};
 use crate::record::{Completion, Fingerprint, Record, RecordId, RecordState, ScopeId, Token};
 
 /// Fixed cost charged per record against `max_bytes`: the map slot (id and [`Entry`], 168
@@ -413,11 +413,7 @@ impl Entry {
                 lease_remaining: self.lease_until.saturating_duration_since(now),
             },
         };
-        Ok(Record {
-            fingerprint: self.fingerprint,
-            generation: self.token.generation(),
-            state,
-        })
+        Ok(Record::new(self.fingerprint, self.token.generation(), state).with_holder(self.token))
     }
 }
 
@@ -474,11 +470,9 @@ impl MemoryStore {
                     e.token = token;
                     e.lease_until = lease_until;
                     e.expires_at = e.expires_at.max(lease_until);
-                    return Ok(Some(ClaimOutcome::Claimed(Claim {
-                        token,
-                        takeover: true,
-                        lapsed_for,
-                    })));
+                    return Ok(Some(ClaimOutcome::Claimed(Claim::takeover(
+                        token, lapsed_for,
+                    ))));
                 }
                 return Ok(Some(ClaimOutcome::Existing(e.record(now)?)));
             }
@@ -540,11 +534,7 @@ impl MemoryStore {
         }
         self.inner.note_expiry(entry.expires_at);
         shard.map.insert(*id, entry);
-        Ok(Some(ClaimOutcome::Claimed(Claim {
-            token,
-            takeover: false,
-            lapsed_for: None,
-        })))
+        Ok(Some(ClaimOutcome::Claimed(Claim::first(token))))
     }
 }
 
@@ -554,25 +544,9 @@ impl IdempotencyStore for MemoryStore {
         "memory"
     }
 
-    async fn claim(
-        &self,
-        id: &RecordId,
-        fingerprint: &Fingerprint,
-        lease: Duration,
-        ttl: Duration,
-    ) -> Result<ClaimOutcome, StoreError> {
-        self.claim_as(None, id, fingerprint, lease, ttl)
-    }
-
-    async fn claim_in_scope(
-        &self,
-        scope: &ScopeId,
-        id: &RecordId,
-        fingerprint: &Fingerprint,
-        lease: Duration,
-        ttl: Duration,
-    ) -> Result<ClaimOutcome, StoreError> {
-        self.claim_as(Some(*scope), id, fingerprint, lease, ttl)
+    async fn claim(&self, request: &ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
+        let r = request;
+        self.claim_as(r.scope.copied(), r.id, r.fingerprint, r.lease, r.ttl)
     }
 
     async fn extend(
@@ -632,14 +606,25 @@ impl IdempotencyStore for MemoryStore {
     async fn release(&self, id: &RecordId, token: &Token) -> Result<(), StoreError> {
         let mut shard = self.shard(id);
         let now = Instant::now();
-        match shard.map.get(id) {
+        match shard.map.get_mut(id) {
             Some(e) if e.token == *token && e.completion.is_none() && e.expires_at > now => {
-                self.inner.remove(&mut shard, id);
+                if token.generation() == 1 {
+                    // A first claim: gone, so a retry runs as a new first attempt.
+                    self.inner.remove(&mut shard, id);
+                } else {
+                    // A takeover: an earlier attempt may have done work, so the record stays
+                    // (same retention, same counts) with its lease ended now, and the next
+                    // claim takes over from it.
+                    e.token = token.released();
+                    e.lease_until = now;
+                }
                 Ok(())
             }
             // Gone (released by an earlier attempt, or expired): the key is free.
             None => Ok(()),
             Some(e) if e.expires_at <= now => Ok(()),
+            // Kept by this token's earlier release: a resend.
+            Some(e) if e.completion.is_none() && e.token == token.released() => Ok(()),
             _ => Err(StoreError::new(StoreErrorKind::Fenced)),
         }
     }
@@ -708,7 +693,11 @@ mod tests {
 
     async fn completed(store: &MemoryStore, key: &str, ttl: Duration) {
         let id = RecordId::new(None, key);
-        let ClaimOutcome::Claimed(c) = store.claim(&id, &fp(), ttl, ttl).await.unwrap() else {
+        let ClaimOutcome::Claimed(c) = store
+            .claim(&ClaimRequest::new(&id, &fp(), ttl, ttl))
+            .await
+            .unwrap()
+        else {
             panic!("fresh key")
         };
         let done = Completion::Tombstone {
@@ -776,12 +765,12 @@ mod tests {
         let fresh = RecordId::new(None, "fresh");
         assert_eq!(
             store
-                .claim(
+                .claim(&ClaimRequest::new(
                     &fresh,
                     &fp(),
                     Duration::from_secs(1),
                     Duration::from_secs(1)
-                )
+                ))
                 .await
                 .unwrap_err()
                 .kind(),
@@ -793,7 +782,12 @@ mod tests {
         for i in 0..8 {
             let id = RecordId::new(None, &format!("new-{i}"));
             let outcome = store
-                .claim(&id, &fp(), Duration::from_secs(60), Duration::from_secs(60))
+                .claim(&ClaimRequest::new(
+                    &id,
+                    &fp(),
+                    Duration::from_secs(60),
+                    Duration::from_secs(60),
+                ))
                 .await
                 .expect("expired records make room");
             assert!(matches!(outcome, ClaimOutcome::Claimed(_)));
@@ -802,12 +796,12 @@ mod tests {
         // Full of live records again: refused, and the refusal evicted nothing.
         assert_eq!(
             store
-                .claim(
+                .claim(&ClaimRequest::new(
                     &fresh,
                     &fp(),
                     Duration::from_secs(1),
                     Duration::from_secs(1)
-                )
+                ))
                 .await
                 .unwrap_err()
                 .kind(),
@@ -824,7 +818,10 @@ mod tests {
         let forever = Duration::MAX;
         for key in ["a", "b", "c"] {
             let id = RecordId::new(None, key);
-            let ClaimOutcome::Claimed(c) = store.claim(&id, &fp(), forever, forever).await.unwrap()
+            let ClaimOutcome::Claimed(c) = store
+                .claim(&ClaimRequest::new(&id, &fp(), forever, forever))
+                .await
+                .unwrap()
             else {
                 panic!("fresh key")
             };
@@ -832,7 +829,10 @@ mod tests {
             store.release(&id, &c.token).await.unwrap();
         }
         let id = RecordId::new(None, "kept");
-        let ClaimOutcome::Claimed(c) = store.claim(&id, &fp(), forever, forever).await.unwrap()
+        let ClaimOutcome::Claimed(c) = store
+            .claim(&ClaimRequest::new(&id, &fp(), forever, forever))
+            .await
+            .unwrap()
         else {
             panic!("the slot came back")
         };
@@ -844,6 +844,55 @@ mod tests {
         assert!(store.get(&id).await.unwrap().is_some(), "kept for decades");
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn a_released_takeover_keeps_its_slot_and_quota_until_removed() {
+        use crate::store::{IdempotencyAdmin, Removal};
+        let store = MemoryStore::builder()
+            .with_max_records_per_scope(NonZeroUsize::new(1).unwrap())
+            .build();
+        let scope = ScopeId::new(Some("t"));
+        let id = RecordId::new(Some("t"), "k");
+        let (lease, ttl) = (Duration::from_secs(1), Duration::from_secs(60));
+        store
+            .claim(&ClaimRequest::new(&id, &fp(), lease, ttl).in_scope(&scope))
+            .await
+            .unwrap();
+        tokio::time::advance(lease * 2).await;
+        let ClaimOutcome::Claimed(c) = store
+            .claim(&ClaimRequest::new(&id, &fp(), lease, ttl).in_scope(&scope))
+            .await
+            .unwrap()
+        else {
+            panic!("the lapsed lease is taken over")
+        };
+        assert_eq!(c.token.generation(), 2);
+        store.release(&id, &c.token).await.unwrap();
+        assert_eq!(store.len(), 1, "kept");
+        assert_eq!(store.inner.bytes.load(Ordering::Relaxed), ENTRY_OVERHEAD);
+        let other = RecordId::new(Some("t"), "other");
+        let refused = store
+            .claim(&ClaimRequest::new(&other, &fp(), lease, ttl).in_scope(&scope))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            refused.kind(),
+            StoreErrorKind::QuotaExceeded,
+            "the kept record still counts against its scope"
+        );
+        assert_eq!(store.force_release(&id).await.unwrap(), Removal::Removed);
+        assert_eq!(
+            (store.len(), store.inner.bytes.load(Ordering::Relaxed)),
+            (0, 0)
+        );
+        assert!(matches!(
+            store
+                .claim(&ClaimRequest::new(&other, &fp(), lease, ttl).in_scope(&scope))
+                .await
+                .unwrap(),
+            ClaimOutcome::Claimed(_)
+        ));
+    }
+
     #[tokio::test]
     async fn a_failed_random_source_fails_the_claim_and_takes_no_slot() {
         let store = MemoryStore::builder()
@@ -852,14 +901,24 @@ mod tests {
         let id = RecordId::new(None, "k");
         crate::record::FAIL_RANDOM.with(|f| f.set(true));
         let r = store
-            .claim(&id, &fp(), Duration::from_secs(1), Duration::from_secs(1))
+            .claim(&ClaimRequest::new(
+                &id,
+                &fp(),
+                Duration::from_secs(1),
+                Duration::from_secs(1),
+            ))
             .await;
         crate::record::FAIL_RANDOM.with(|f| f.set(false));
         assert_eq!(r.unwrap_err().kind(), StoreErrorKind::Unavailable);
         assert!(store.is_empty());
         assert!(matches!(
             store
-                .claim(&id, &fp(), Duration::from_secs(1), Duration::from_secs(1))
+                .claim(&ClaimRequest::new(
+                    &id,
+                    &fp(),
+                    Duration::from_secs(1),
+                    Duration::from_secs(1)
+                ))
                 .await
                 .unwrap(),
             ClaimOutcome::Claimed(_)

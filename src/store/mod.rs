@@ -8,7 +8,7 @@
 //! | [`claim`](IdempotencyStore::claim) | absent key: create an in-progress record and answer [`ClaimOutcome::Claimed`]; in progress with a lapsed lease and the **same** fingerprint: take over with generation + 1; otherwise answer [`ClaimOutcome::Existing`] with the record |
 //! | [`extend`](IdempotencyStore::extend) | renew the lease of the token's claim |
 //! | [`complete`](IdempotencyStore::complete) | store the answer and start the retention TTL |
-//! | [`release`](IdempotencyStore::release) | delete the in-progress record, so a retry runs again |
+//! | [`release`](IdempotencyStore::release) | end the claim, so a retry runs again: delete a first claim's record, keep a takeover's with its lease ended (see 10) |
 //! | [`get`](IdempotencyStore::get) | read a record (wait mode, operators) |
 //!
 //! # Guarantees every store gives
@@ -32,24 +32,34 @@
 //! 9. `complete` and `release` are idempotent per token, because a call whose reply was lost
 //!    gets sent again: `complete` of a record this token already completed answers `Ok` and
 //!    writes nothing; `release` of an absent record answers `Ok` (the key is free, which is all
-//!    a release asks for: the record was released by this token's earlier attempt, or expired).
+//!    a release asks for: the record was released by this token's earlier attempt, or expired),
+//!    and so does `release` of a record this token's earlier release kept (see 10).
 //!    `complete` of an absent record is `Fenced`: nothing says the answer was recorded.
+//! 10. Within a key's retention its generation only grows. `release` of a first claim
+//!     (generation 1) deletes the record, so a corrected request with the same key runs as a
+//!     fresh first attempt. `release` of a takeover (generation > 1: an earlier attempt may
+//!     have done work) keeps it: in progress, with the same fingerprint, generation and
+//!     retention, its lease ended now. The released token is `Fenced` for `complete` and
+//!     `extend`; the next claim of the same request takes over (generation + 1, `takeover`,
+//!     `lapsed_for` counted from the release), so the abandoned attempt is still reported;
+//!     another request gets `Existing`.
 //!
 //! # Implementing a custom store
 //!
 //! The claim has no default body: use the backend's own atomic primitive (a Lua script, an
 //! `INSERT … ON CONFLICT`, a conditional put). This toy store shows the whole contract under
-//! one lock: leases, takeover, fencing, retention, and `complete`/`release` that answer `Ok`
-//! when resent. It passes the [conformance suite](crate::conformance) (feature
+//! one lock: leases, takeover, fencing, retention, a takeover's release that keeps the key's
+//! history, and `complete`/`release` that answer `Ok` when resent. It passes the [conformance suite](crate::conformance) (feature
 //! `conformance`), which runs at the end of the example; run the suite on your own store the
 //! same way, or with [`conformance_suite!`](crate::conformance_suite) in a test file.
 //!
 //! ```
 //! use std::{collections::HashMap, sync::Mutex, time::{Duration, Instant}};
 //! use tower_idempotency::store::{
-//!     async_trait, Claim, ClaimOutcome, IdempotencyStore, StoreError, StoreErrorKind,
+//!     async_trait, Claim, ClaimOutcome, ClaimRequest, IdempotencyStore, StoreError,
+//!     StoreErrorKind,
 //! };
-//! use tower_idempotency::{Completion, Fingerprint, Record, RecordId, RecordState, Token};
+//! use tower_idempotency::store::{Completion, Fingerprint, Record, RecordId, RecordState, Token};
 //!
 //! struct Entry {
 //!     fingerprint: Fingerprint,
@@ -57,6 +67,8 @@
 //!     lease_until: Instant,
 //!     expires_at: Instant,
 //!     done: Option<Completion>,
+//!     /// A takeover its holder released: kept, and its token fenced.
+//!     released: bool,
 //! }
 //!
 //! impl Entry {
@@ -67,7 +79,7 @@
 //!                 lease_remaining: self.lease_until.saturating_duration_since(now),
 //!             },
 //!         };
-//!         Record { fingerprint: self.fingerprint, generation: self.token.generation(), state }
+//!         Record::new(self.fingerprint, self.token.generation(), state).with_holder(self.token)
 //!     }
 //! }
 //!
@@ -86,7 +98,7 @@
 //!         -> Result<Option<&'a mut Entry>, StoreError>
 //!     {
 //!         match map.get_mut(id) {
-//!             Some(e) if e.expires_at > now && e.token == *token => Ok(Some(e)),
+//!             Some(e) if e.expires_at > now && e.token == *token && !e.released => Ok(Some(e)),
 //!             Some(e) if e.expires_at > now => Err(StoreError::new(StoreErrorKind::Fenced)),
 //!             _ => Ok(None),
 //!         }
@@ -95,9 +107,9 @@
 //!
 //! #[async_trait]
 //! impl IdempotencyStore for ToyStore {
-//!     async fn claim(&self, id: &RecordId, fp: &Fingerprint, lease: Duration, ttl: Duration)
-//!         -> Result<ClaimOutcome, StoreError>
-//!     {
+//!     async fn claim(&self, request: &ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
+//!         // A store with per-scope quotas would count `request.scope` here.
+//!         let (id, fp, lease, ttl) = (request.id, request.fingerprint, request.lease, request.ttl);
 //!         let now = Instant::now();
 //!         let mut map = self.0.lock().unwrap();
 //!         if let Some(e) = map.get_mut(id).filter(|e| e.expires_at > now) {
@@ -107,10 +119,11 @@
 //!             }
 //!             // Takeover: the same request, and its holder went quiet for a whole lease.
 //!             e.token = Token::generate(e.token.generation() + 1)?;
+//!             e.released = false;
 //!             let lapsed_for = Some(now.duration_since(e.lease_until));
 //!             e.lease_until = after(now, lease);
 //!             e.expires_at = e.expires_at.max(e.lease_until);
-//!             return Ok(ClaimOutcome::Claimed(Claim { token: e.token, takeover: true, lapsed_for }));
+//!             return Ok(ClaimOutcome::Claimed(Claim::takeover(e.token, lapsed_for)));
 //!         }
 //!         // A failed OS random source fails the claim; never use a fixed nonce.
 //!         let token = Token::generate(1)?;
@@ -121,9 +134,10 @@
 //!             // An in-progress record is kept max(lease, ttl).
 //!             expires_at: after(now, lease.max(ttl)),
 //!             done: None,
+//!             released: false,
 //!         };
 //!         map.insert(*id, entry);
-//!         Ok(ClaimOutcome::Claimed(Claim { token, takeover: false, lapsed_for: None }))
+//!         Ok(ClaimOutcome::Claimed(Claim::first(token)))
 //!     }
 //!
 //!     async fn extend(&self, id: &RecordId, token: &Token, lease: Duration) -> Result<(), StoreError> {
@@ -161,13 +175,22 @@
 //!     async fn release(&self, id: &RecordId, token: &Token) -> Result<(), StoreError> {
 //!         let now = Instant::now();
 //!         let mut map = self.0.lock().unwrap();
-//!         match Self::held(&mut map, id, token, now)? {
-//!             Some(e) if e.done.is_none() => {
-//!                 map.remove(id);
+//!         match map.get_mut(id).filter(|e| e.expires_at > now) {
+//!             Some(e) if e.token == *token && e.done.is_none() && !e.released => {
+//!                 if token.generation() == 1 {
+//!                     map.remove(id);
+//!                 } else {
+//!                     // A takeover: an earlier attempt may have done work. Keep the record
+//!                     // with its lease ended, so the next claim takes over and says so.
+//!                     e.released = true;
+//!                     e.lease_until = now;
+//!                 }
 //!                 Ok(())
 //!             }
+//!             // Kept by an earlier attempt of this call.
+//!             Some(e) if e.token == *token && e.released => Ok(()),
 //!             Some(_) => Err(StoreError::new(StoreErrorKind::Fenced)),
-//!             // Gone: released by an earlier attempt of this call; the key is free.
+//!             // Gone: released by an earlier attempt of this call, or expired; the key is free.
 //!             None => Ok(()),
 //!         }
 //!     }
@@ -199,7 +222,11 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::record::{Completion, Fingerprint, Record, RecordId, ScopeId, Token};
+/// The store data model: what a store keeps and answers.
+pub use crate::record::{
+    Completion, DecodeError, Fingerprint, Record, RecordId, RecordState, ScopeId, StoredResponse,
+    Token,
+};
 
 pub mod memory;
 
@@ -219,10 +246,58 @@ pub use memory::MemoryStore;
 /// Re-exported for store authors: the trait's methods are `#[async_trait]`.
 pub use async_trait::async_trait;
 
+/// What [`IdempotencyStore::claim`] is asked: which record, for which request, for how long.
+///
+/// Built with [`ClaimRequest::new`] (and [`in_scope`](Self::in_scope)); `#[non_exhaustive]`,
+/// so an argument added later (a deadline, say) does not break a store that reads the
+/// fields it knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ClaimRequest<'a> {
+    /// The scope the record is counted against, for stores with per-scope quotas. `None`:
+    /// counted against no scope (the layer always gives one).
+    pub scope: Option<&'a ScopeId>,
+    /// The record to claim.
+    pub id: &'a RecordId,
+    /// The request's fingerprint: only the same request may take over a lapsed claim.
+    pub fingerprint: &'a Fingerprint,
+    /// How long the claim holds the key without a renewal.
+    pub lease: Duration,
+    /// How long the record is kept at least (a store keeps it for the lease at least).
+    pub ttl: Duration,
+}
+
+impl<'a> ClaimRequest<'a> {
+    /// A claim of `id` for the request with `fingerprint`, holding a lease of `lease` and
+    /// kept at least `ttl`, counted against no scope.
+    pub fn new(
+        id: &'a RecordId,
+        fingerprint: &'a Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Self {
+        Self {
+            scope: None,
+            id,
+            fingerprint,
+            lease,
+            ttl,
+        }
+    }
+
+    /// Counts the record against `scope`'s quota.
+    #[must_use]
+    pub fn in_scope(mut self, scope: &'a ScopeId) -> Self {
+        self.scope = Some(scope);
+        self
+    }
+}
+
 /// What [`IdempotencyStore::claim`] found.
 // Built once per request and moved a few times; boxing would allocate on every replay.
 #[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ClaimOutcome {
     /// This caller holds the key now and must run the work, then complete or release.
     Claimed(Claim),
@@ -231,8 +306,11 @@ pub enum ClaimOutcome {
     Existing(Record),
 }
 
-/// A successful claim.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// A successful claim: built with [`Claim::first`] or [`Claim::takeover`], so a field added
+/// later does not break a store.
+// Not `Copy`: a field that owns data (a recovery point) may join it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Claim {
     /// Fences every later write of this claim.
     pub token: Token,
@@ -241,6 +319,27 @@ pub struct Claim {
     /// On a takeover, how long the old lease had been lapsed, by the store's clock: how long
     /// the key was abandoned. `None` on a first claim, or when the store cannot tell.
     pub lapsed_for: Option<Duration>,
+}
+
+impl Claim {
+    /// The first claim of an absent key.
+    pub fn first(token: Token) -> Self {
+        Self {
+            token,
+            takeover: false,
+            lapsed_for: None,
+        }
+    }
+
+    /// A takeover of a record whose lease had lapsed `lapsed_for` ago (`None`: the store
+    /// cannot tell).
+    pub fn takeover(token: Token, lapsed_for: Option<Duration>) -> Self {
+        Self {
+            token,
+            takeover: true,
+            lapsed_for,
+        }
+    }
 }
 
 /// The kind of a [`StoreError`].
@@ -336,16 +435,14 @@ impl StdError for StoreError {
 /// Object-safe: `Arc<dyn IdempotencyStore>` is a store too.
 #[async_trait]
 pub trait IdempotencyStore: Send + Sync + 'static {
-    /// Atomically claims `id` for a request with `fingerprint`, or returns the existing record.
+    /// Atomically claims `request.id` for a request with `request.fingerprint`, or returns
+    /// the existing record.
     ///
-    /// A new or taken-over record holds a lease of `lease` and is kept at least `ttl`.
-    async fn claim(
-        &self,
-        id: &RecordId,
-        fingerprint: &Fingerprint,
-        lease: Duration,
-        ttl: Duration,
-    ) -> Result<ClaimOutcome, StoreError>;
+    /// A new or taken-over record holds a lease of `request.lease` and is kept at least
+    /// `request.ttl`. A store with per-scope quotas counts `request.scope`'s records here and
+    /// refuses a new record past its quota with [`StoreErrorKind::QuotaExceeded`]; a request
+    /// without a scope is placed by its id and counted against none.
+    async fn claim(&self, request: &ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError>;
 
     /// Renews the lease of `token`'s claim to `lease` from now.
     async fn extend(&self, id: &RecordId, token: &Token, lease: Duration)
@@ -360,26 +457,14 @@ pub trait IdempotencyStore: Send + Sync + 'static {
         ttl: Duration,
     ) -> Result<(), StoreError>;
 
-    /// Deletes `token`'s in-progress record, so the next claim runs the work again.
+    /// Ends `token`'s claim, so the next claim runs the work again. A first claim's record
+    /// (generation 1) is deleted; a takeover's is kept, in progress with its lease ended now,
+    /// so the next claim of the same request is a takeover too and reports the abandoned
+    /// attempt (guarantee 10 in the [module docs](self)). A stale token is `Fenced`.
     async fn release(&self, id: &RecordId, token: &Token) -> Result<(), StoreError>;
 
     /// Reads the record, if any. A record past its TTL is absent.
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError>;
-
-    /// [`claim`](Self::claim), for a record of `scope`: the layer calls this one. A store
-    /// with per-scope quotas counts the scope's records here and refuses a new record past
-    /// its quota with [`StoreErrorKind::QuotaExceeded`]. The default has no quotas.
-    async fn claim_in_scope(
-        &self,
-        scope: &ScopeId,
-        id: &RecordId,
-        fingerprint: &Fingerprint,
-        lease: Duration,
-        ttl: Duration,
-    ) -> Result<ClaimOutcome, StoreError> {
-        let _ = scope;
-        self.claim(id, fingerprint, lease, ttl).await
-    }
 
     /// A short, fixed name for the `store` label of the layer's metrics (`"memory"`,
     /// `"redis"`, `"postgres"`). Default `"custom"`.
@@ -390,27 +475,8 @@ pub trait IdempotencyStore: Send + Sync + 'static {
 
 #[async_trait]
 impl<T: IdempotencyStore + ?Sized> IdempotencyStore for Arc<T> {
-    async fn claim(
-        &self,
-        id: &RecordId,
-        fingerprint: &Fingerprint,
-        lease: Duration,
-        ttl: Duration,
-    ) -> Result<ClaimOutcome, StoreError> {
-        (**self).claim(id, fingerprint, lease, ttl).await
-    }
-
-    async fn claim_in_scope(
-        &self,
-        scope: &ScopeId,
-        id: &RecordId,
-        fingerprint: &Fingerprint,
-        lease: Duration,
-        ttl: Duration,
-    ) -> Result<ClaimOutcome, StoreError> {
-        (**self)
-            .claim_in_scope(scope, id, fingerprint, lease, ttl)
-            .await
+    async fn claim(&self, request: &ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
+        (**self).claim(request).await
     }
 
     async fn extend(
@@ -496,9 +562,9 @@ pub(crate) async fn equal_nonces_with_different_fingerprints_claim_once(
     );
     let lease = Duration::from_secs(30);
     FIXED_NONCE.with(|n| n.set(Some([0; 16])));
-    let first = store.claim(&id, &a, lease, lease).await;
-    let second = store.claim(&id, &b, lease, lease).await;
-    let resent = store.claim(&id, &a, lease, lease).await;
+    let first = store.claim(&ClaimRequest::new(&id, &a, lease, lease)).await;
+    let second = store.claim(&ClaimRequest::new(&id, &b, lease, lease)).await;
+    let resent = store.claim(&ClaimRequest::new(&id, &a, lease, lease)).await;
     FIXED_NONCE.with(|n| n.set(None));
     assert!(matches!(first.unwrap(), ClaimOutcome::Claimed(_)));
     match second.unwrap() {

@@ -17,7 +17,8 @@ use crate::store::error_chain as chain;
 ///
 /// The text names the cause and what to do; the driver error it came from is kept in the
 /// variant (and is part of the text, so it is not repeated as a [`source`](StdError::source)).
-#[derive(Debug)]
+/// `Debug` prints the same text as `Display`, so that an error returned from `main` shows the
+/// fix, not the variant's fields. Match on the variants to tell them apart.
 #[non_exhaustive]
 pub enum SetupError {
     /// The URL or connection string did not parse.
@@ -27,20 +28,20 @@ pub enum SetupError {
     /// The table does not exist (or its schema does not): run
     /// [`migrate`](PostgresStore::migrate).
     MissingTable {
-        /// The table, as given to [`with_table`](PostgresStore::with_table).
+        /// The table, as given to [`with_table`](super::PostgresStoreBuilder::with_table).
         table: String,
     },
     /// [`migrate`](PostgresStore::migrate) could not create the table: its schema does not
     /// exist, or the role may not create it.
     Migrate {
-        /// The table, as given to [`with_table`](PostgresStore::with_table).
+        /// The table, as given to [`with_table`](super::PostgresStoreBuilder::with_table).
         table: String,
         /// What the server (or the connection) said.
         error: tokio_postgres::Error,
     },
     /// The table exists but the store cannot use it: a missing column, no privilege.
     Table {
-        /// The table, as given to [`with_table`](PostgresStore::with_table).
+        /// The table, as given to [`with_table`](super::PostgresStoreBuilder::with_table).
         table: String,
         /// What the server said.
         error: tokio_postgres::Error,
@@ -71,6 +72,12 @@ impl fmt::Display for SetupError {
     }
 }
 
+impl fmt::Debug for SetupError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
 impl StdError for SetupError {}
 
 impl PostgresStore {
@@ -87,6 +94,9 @@ impl PostgresStore {
     /// while the index builds (the column is added without a rewrite); to avoid that, create
     /// it first with `CREATE INDEX CONCURRENTLY <table>_scope_idx ON <table> (scope,
     /// expires_at) WHERE scope IS NOT NULL`. The schema must exist.
+    ///
+    /// The server's notices (`relation … already exists, skipping`) are off for its
+    /// transaction, so a start against an up-to-date table logs nothing; warnings still come.
     pub async fn migrate(&self) -> Result<(), SetupError> {
         let mut attempt = 0;
         loop {
@@ -152,6 +162,56 @@ impl PostgresStore {
                 table: self.table.name.clone(),
                 error: e,
             }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn setup_errors_debug_print_their_text_so_main_shows_the_fix() {
+        let driver = || {
+            "postgres://[nope"
+                .parse::<tokio_postgres::Config>()
+                .unwrap_err()
+        };
+        let table = || "app.idempotency_records".to_owned();
+        let cases = [
+            (SetupError::Url(driver()), "invalid Postgres URL"),
+            (
+                SetupError::Connect(deadpool_postgres::PoolError::Timeout(
+                    deadpool_postgres::TimeoutType::Wait,
+                )),
+                "could not connect to Postgres",
+            ),
+            (
+                SetupError::MissingTable { table: table() },
+                "create it with PostgresStore::migrate()",
+            ),
+            (
+                SetupError::Migrate {
+                    table: table(),
+                    error: driver(),
+                },
+                "could not create the idempotency table app.idempotency_records",
+            ),
+            (
+                SetupError::Table {
+                    table: table(),
+                    error: driver(),
+                },
+                "the idempotency table app.idempotency_records cannot be used",
+            ),
+        ];
+        for (err, fix) in cases {
+            let debug = format!("{err:?}");
+            assert!(debug.contains(fix), "{debug}");
+            assert_eq!(debug, err.to_string());
+            // What `fn main() -> Result<(), Box<dyn Error>>` prints after "Error: ".
+            let boxed: Box<dyn StdError> = Box::new(err);
+            assert_eq!(format!("{boxed:?}"), debug);
         }
     }
 }

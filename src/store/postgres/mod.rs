@@ -10,9 +10,10 @@
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 //! use tower_idempotency::store::postgres::PostgresStore;
 //!
-//! let store = PostgresStore::connect("postgres://app@db/app")
-//!     .await?
-//!     .with_table("idempotency.records")?;
+//! let store = PostgresStore::builder()
+//!     .with_table("idempotency.records")?
+//!     .connect("postgres://app@db/app")
+//!     .await?;
 //! store.migrate().await?;
 //! let _sweeper = store.spawn_sweeper(std::time::Duration::from_secs(60));
 //! # #[derive(Clone)] struct Tenant(String);
@@ -25,7 +26,7 @@
 //! # Schema
 //!
 //! [`migrate`](PostgresStore::migrate) creates this table (`idempotency_records` unless
-//! [`with_table`](PostgresStore::with_table) names another), an index on `expires_at` for
+//! [`with_table`](PostgresStoreBuilder::with_table) names another), an index on `expires_at` for
 //! the sweeper, a partial index on `(scope, expires_at)` for per-scope quotas, and the
 //! PL/pgSQL function `<table>_claim` that every claim which writes goes through. The
 //! statements are the `.sql` files of `src/store/postgres/sql/`, one per operation; when the
@@ -34,7 +35,7 @@
 //!
 //! ```sql
 //! CREATE TABLE idempotency_records (
-//!     id           bytea       PRIMARY KEY,  -- RecordId: SHA-256 of (scope, key), 32 bytes
+//!     id           bytea       PRIMARY KEY,  -- RecordId, 32 bytes (below)
 //!     fingerprint  bytea       NOT NULL,     -- 32 bytes
 //!     state        smallint    NOT NULL,     -- 0 in progress, 1 response, 2 tombstone
 //!     generation   bigint      NOT NULL,     -- 1 for a first claim, + 1 per takeover
@@ -49,6 +50,15 @@
 //!     scope        bytea                     -- ScopeId (32 bytes), only with quotas on
 //! );
 //! ```
+//!
+//! Neither the key nor the scope is stored in the clear. The `scope` column is the
+//! [`ScopeId`](crate::store::ScopeId): SHA-256 over `tower-idempotency scope v1\0`, then `0x00` for
+//! the unscoped space, or `0x01`, the scope's length in bytes (8 bytes, big-endian) and the
+//! scope. The `id` is the [`RecordId`](crate::store::RecordId): SHA-256 over
+//! `tower-idempotency record v2\0`, the scope framed in the same way, the key's length
+//! (8 bytes, big-endian) and the key; its first 4 bytes are then replaced by the first 4
+//! bytes of the scope id, so every record id begins with its scope's prefix, and 224 bits of
+//! the hash remain.
 //!
 //! `migrate` also sets the table's storage settings, where the table has none of its own
 //! (so an operator's tuning survives restarts): `fillfactor = 80`, which leaves room on
@@ -78,6 +88,10 @@
 //!   handler runs: no transaction and no pool connection is held while the handler works.
 //! - **Fencing**: `extend`, `complete` and `release` put the generation *and* the nonce in
 //!   their `WHERE` clause. Zero rows is [`StoreErrorKind::Fenced`], and nothing was written.
+//! - **A key keeps its history** (release.sql): `release` deletes a first claim's row, but
+//!   keeps a takeover's, its lease ended at `statement_timestamp()` and its nonce replaced by
+//!   one no claim holds, so the next claim of the same request takes over with the generation
+//!   plus one (the claim statements are unchanged: such a row is a lapsed lease to them).
 //! - **One clock**: every time is the database's: `statement_timestamp()` (which is `now()`
 //!   for the store's own single-statement transactions, and stays correct inside a long
 //!   transaction for [`complete_in`](PostgresStore::complete_in)), and `clock_timestamp()`
@@ -92,13 +106,21 @@
 //!   never `Claimed`. Failures before anything was sent (no connection), and lost replies to
 //!   reads, are [`StoreErrorKind::Unavailable`].
 //! - **One deadline per operation**: pool checkout, statements, retries and read-back
-//!   together are bounded by [`with_timeout`](PostgresStore::with_timeout) (5 s by default).
+//!   together are bounded by [`with_timeout`](PostgresStoreBuilder::with_timeout) (5 s by default).
 //!   A statement the store gives up on is cancelled on the server with the driver's cancel
 //!   token, so no backend keeps running it. On connections from
 //!   [`connect`](PostgresStore::connect), `statement_timeout` and `lock_timeout` sit below
 //!   that deadline, so a statement blocked on a lock is ended by the server first: a known
 //!   failure (SQLSTATE `57014` or `55P03`, rolled back), [`StoreErrorKind::Unavailable`]
 //!   with no read-back needed. TCP keepalives notice a half-open connection after a failover.
+//! - **Failover**: give every host in the URL with `target_session_attrs=read-write`
+//!   (`postgres://app@db1:5432,db2:5432/app?target_session_attrs=read-write`): a new
+//!   connection tries them in order and keeps the first that takes writes. A pooled
+//!   connection that finds its server read-only (SQLSTATE `25006`: a standby, or an old
+//!   primary fenced with `default_transaction_read_only`) is dropped with every connection
+//!   opened before it, and the statement, which wrote nothing, is sent again on a fresh
+//!   connection, within the same deadline. See `docs/operations.md` (Failover) for the
+//!   lease a synchronous standby needs.
 //! - **Statements are prepared once per connection** (deadpool's statement cache). Use
 //!   [`RecyclingMethod::Fast`](deadpool_postgres::RecyclingMethod::Fast) (deadpool's
 //!   default, and what [`connect`](PostgresStore::connect) sets): `Verified` costs one more
@@ -193,8 +215,8 @@
 //!
 //! # Per-scope quotas
 //!
-//! [`with_max_records_per_scope`](PostgresStore::with_max_records_per_scope) and
-//! [`with_max_bytes_per_scope`](PostgresStore::with_max_bytes_per_scope) bound what one scope
+//! [`with_max_records_per_scope`](PostgresStoreBuilder::with_max_records_per_scope) and
+//! [`with_max_bytes_per_scope`](PostgresStoreBuilder::with_max_bytes_per_scope) bound what one scope
 //! (tenant) may hold, so one tenant cannot fill the database for the others: past a limit,
 //! that scope's new keys get [`StoreErrorKind::QuotaExceeded`] (the layer answers `429`)
 //! while retries of its existing records still replay and other scopes still claim. Records
@@ -240,7 +262,7 @@
 //! # TLS
 //!
 //! [`connect`](PostgresStore::connect) honours `sslmode` with the `postgres-tls` feature, and
-//! [`connect_with_tls`](PostgresStore::connect_with_tls) verifies the server against your CA;
+//! [`connect_with_tls`](PostgresStoreBuilder::connect_with_tls) verifies the server against your CA;
 //! see them. With your own pool, pass it to [`PostgresStore::new`].
 
 mod migrate;
@@ -252,7 +274,6 @@ mod sql;
 mod sweep;
 mod transaction;
 
-use std::error::Error as StdError;
 use std::fmt;
 use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -260,7 +281,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use deadpool_postgres;
-/// The rustls the `postgres-tls` feature uses, for [`PostgresStore::connect_with_tls`].
+/// The rustls the `postgres-tls` feature uses, for [`PostgresStoreBuilder::connect_with_tls`].
 #[cfg(feature = "postgres-tls")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres-tls")))]
 pub use rustls;
@@ -292,13 +313,17 @@ const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
 #[derive(Clone)]
 pub struct PostgresStore {
     pool: Pool,
-    /// The driver config and TLS when `connect` built the pool: `with_timeout` rebuilds it then.
+    /// The driver config and TLS when `connect` built the pool: a timed-out statement's
+    /// cancel request goes the same way.
     config: Option<Arc<Owned>>,
     table: Arc<Table>,
     sql: Arc<Sql>,
     timeout: Duration,
     retries: Arc<AtomicU64>,
     quota: Quota,
+    /// When a pooled connection last found its server read-only (SQLSTATE 25006: a standby,
+    /// or a primary fenced after a failover): connections opened before that are dropped.
+    read_only_at: Arc<std::sync::Mutex<Option<std::time::Instant>>>,
 }
 
 /// Per-scope limits, as the quota function takes them (`NULL`: no limit).
@@ -330,37 +355,49 @@ impl fmt::Debug for PostgresStore {
     }
 }
 
-impl PostgresStore {
-    /// A store on `pool`, in the table `idempotency_records`. Does no I/O.
-    ///
-    /// Each operation borrows a connection for one statement and returns it at once.
-    pub fn new(pool: Pool) -> Self {
-        let table = Table::parse(DEFAULT_TABLE).expect("the default table name is valid");
-        Self::with_parts(pool, None, table, DEFAULT_TIMEOUT)
-    }
+/// Configures a [`PostgresStore`]: the table, the bound on each operation and per-scope
+/// quotas, then [`connect`](Self::connect) to a URL or [`build`](Self::build) on your pool.
+///
+/// ```no_run
+/// # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use std::time::Duration;
+/// use tower_idempotency::store::postgres::PostgresStore;
+///
+/// let store = PostgresStore::builder()
+///     .with_table("idempotency.records")?
+///     .with_timeout(Duration::from_secs(2))
+///     .connect("postgres://app@db/app")
+///     .await?;
+/// store.migrate().await?;
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct PostgresStoreBuilder {
+    table: Table,
+    timeout: Duration,
+    quota: Quota,
+}
 
-    fn with_parts(pool: Pool, config: Option<Arc<Owned>>, table: Table, timeout: Duration) -> Self {
+impl Default for PostgresStoreBuilder {
+    fn default() -> Self {
         Self {
-            sql: Arc::new(Sql::new(&table)),
-            table: Arc::new(table),
-            pool,
-            config,
-            timeout,
-            retries: Arc::new(AtomicU64::new(0)),
+            table: Table::parse(DEFAULT_TABLE).expect("the default table name is valid"),
+            timeout: DEFAULT_TIMEOUT,
             quota: Quota::default(),
         }
     }
+}
 
-    /// Uses the table `name`: `table` or `schema.table`, each a lowercase SQL identifier
-    /// (`[a-z_][a-z0-9_]*`; at most 48 bytes for the table, 63 for the schema).
+impl PostgresStoreBuilder {
+    /// Uses the table `name` (default `idempotency_records`): `table` or `schema.table`,
+    /// each a lowercase SQL identifier (`[a-z_][a-z0-9_]*`; at most 48 bytes for the table,
+    /// 63 for the schema).
     ///
     /// Names are validated, not escaped: anything else is refused.
-    pub fn with_table(self, name: &str) -> Result<Self, ConfigError> {
-        let table = Table::parse(name)?;
-        let quota = self.quota;
-        let mut store = Self::with_parts(self.pool, self.config, table, self.timeout);
-        store.quota = quota;
-        Ok(store)
+    pub fn with_table(mut self, name: &str) -> Result<Self, ConfigError> {
+        self.table = Table::parse(name)?;
+        Ok(self)
     }
 
     /// The most live records one scope (tenant) may hold at once (default: no per-scope
@@ -369,9 +406,8 @@ impl PostgresStore {
     /// Past it, that scope's new keys are refused with [`StoreErrorKind::QuotaExceeded`]
     /// (the layer answers 429) while other scopes still claim: one tenant cannot fill the
     /// table for everyone. Retries of the scope's existing records still replay. Needs the
-    /// function [`migrate`](Self::migrate) creates; see [Per-scope quotas](self#per-scope-quotas)
-    /// for how the count works and what it costs.
-    #[must_use]
+    /// function [`migrate`](PostgresStore::migrate) creates; see
+    /// [Per-scope quotas](self#per-scope-quotas) for how the count works and what it costs.
     pub fn with_max_records_per_scope(mut self, n: NonZeroUsize) -> Self {
         self.quota.records = Some(limit(n));
         self
@@ -380,7 +416,6 @@ impl PostgresStore {
     /// The byte budget of one scope: its recorded answers (headers, body, trailers) plus 160
     /// bytes per record (default: no per-scope limit). Checked when a new key is claimed: a
     /// scope at or over it gets [`StoreErrorKind::QuotaExceeded`] until its records expire.
-    #[must_use]
     pub fn with_max_bytes_per_scope(mut self, n: NonZeroUsize) -> Self {
         self.quota.bytes = Some(limit(n));
         self
@@ -393,26 +428,53 @@ impl PostgresStore {
     /// `timeout`) is cancelled on the server and has an unknown outcome; the store reads it
     /// back on a fresh connection in the time left (see the [module docs](self)).
     ///
-    /// On a store from [`connect`](Self::connect) this also sets the connections'
+    /// The pool [`connect`](Self::connect) makes also sets the connections'
     /// `statement_timeout` to half of `timeout` and `lock_timeout` to two fifths, so the
     /// server ends a blocked statement first, as a known failure
-    /// ([`StoreErrorKind::Unavailable`]); the pool is rebuilt for that (no I/O). On your own
-    /// pool ([`new`](Self::new)), set them yourself the same way, e.g. with the connection
-    /// option `-c statement_timeout=2500 -c lock_timeout=2000` for the default 5 s.
-    #[must_use]
+    /// ([`StoreErrorKind::Unavailable`]). On your own pool ([`build`](Self::build)), set
+    /// them yourself the same way, e.g. with the connection option
+    /// `-c statement_timeout=2500 -c lock_timeout=2000` for the default 5 s.
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
-        if let Some(config) = &self.config {
-            match Self::owned_pool(config, timeout) {
-                Ok(pool) => self.pool = pool,
-                // Only a broken runtime setup fails here; the old pool still works.
-                Err(e) => tracing::warn!(
-                    error = &e as &dyn StdError,
-                    "could not rebuild the postgres pool with the new timeouts"
-                ),
-            }
-        }
         self
+    }
+
+    /// The store on your `pool`. Does no I/O.
+    ///
+    /// Each operation borrows a connection for one statement and returns it at once.
+    pub fn build(self, pool: Pool) -> PostgresStore {
+        PostgresStore::with_parts(pool, None, self)
+    }
+}
+
+impl PostgresStore {
+    /// A store on `pool`, in the table `idempotency_records`, with the defaults of
+    /// [`builder`](Self::builder). Does no I/O.
+    pub fn new(pool: Pool) -> Self {
+        Self::builder().build(pool)
+    }
+
+    /// Configures a store: table, timeout, quotas.
+    pub fn builder() -> PostgresStoreBuilder {
+        PostgresStoreBuilder::default()
+    }
+
+    fn with_parts(pool: Pool, config: Option<Arc<Owned>>, options: PostgresStoreBuilder) -> Self {
+        let PostgresStoreBuilder {
+            table,
+            timeout,
+            quota,
+        } = options;
+        Self {
+            sql: Arc::new(Sql::new(&table)),
+            table: Arc::new(table),
+            pool,
+            config,
+            timeout,
+            retries: Arc::new(AtomicU64::new(0)),
+            quota,
+            read_only_at: Arc::new(std::sync::Mutex::new(None)),
+        }
     }
 
     /// The pool, for your own queries and for [`complete_in`](Self::complete_in).
@@ -436,7 +498,38 @@ impl PostgresStore {
 mod tests {
     use super::*;
     use crate::record::{Fingerprint, RecordId};
-    use crate::store::{IdempotencyStore, StoreErrorKind};
+    use crate::store::{ClaimRequest, IdempotencyStore, StoreErrorKind};
+
+    /// The recipe the schema docs give, step by step, against the code's.
+    #[test]
+    fn the_schema_docs_derive_the_record_and_scope_ids_as_the_code_does() {
+        use sha2::{Digest, Sha256};
+        let framed = |h: &mut Sha256, part: Option<&str>| match part {
+            None => h.update([0u8]),
+            Some(p) => {
+                h.update([1u8]);
+                h.update((p.len() as u64).to_be_bytes());
+                h.update(p.as_bytes());
+            }
+        };
+        for scope in [None, Some(""), Some("tenant-a")] {
+            let mut h = Sha256::new();
+            h.update(b"tower-idempotency scope v1\0");
+            framed(&mut h, scope);
+            let scope_id: [u8; 32] = h.finalize().into();
+            assert_eq!(&scope_id, crate::store::ScopeId::new(scope).as_bytes());
+
+            let key = "order-1042";
+            let mut h = Sha256::new();
+            h.update(b"tower-idempotency record v2\0");
+            framed(&mut h, scope);
+            h.update((key.len() as u64).to_be_bytes());
+            h.update(key.as_bytes());
+            let mut id: [u8; 32] = h.finalize().into();
+            id[..4].copy_from_slice(&scope_id[..4]);
+            assert_eq!(&id, RecordId::new(scope, key).as_bytes());
+        }
+    }
 
     #[tokio::test]
     async fn equal_nonces_with_different_fingerprints_claim_once() {
@@ -449,10 +542,11 @@ mod tests {
             .as_nanos()
             % 1_000_000_000;
         let table = format!("tidem_unit_{}_{nanos}", std::process::id());
-        let store = PostgresStore::connect(&url)
-            .await
-            .unwrap()
+        let store = PostgresStore::builder()
             .with_table(&table)
+            .unwrap()
+            .connect(&url)
+            .await
             .unwrap();
         store.migrate().await.unwrap();
         crate::store::equal_nonces_with_different_fingerprints_claim_once(&store).await;
@@ -474,12 +568,17 @@ mod tests {
         let fp = Fingerprint::from_bytes([1; 32]);
         crate::record::FAIL_RANDOM.with(|f| f.set(true));
         let r = store
-            .claim(&id, &fp, Duration::from_secs(1), Duration::from_secs(1))
+            .claim(&ClaimRequest::new(
+                &id,
+                &fp,
+                Duration::from_secs(1),
+                Duration::from_secs(1),
+            ))
             .await;
         crate::record::FAIL_RANDOM.with(|f| f.set(false));
         let e = r.unwrap_err();
         assert_eq!(e.kind(), StoreErrorKind::Unavailable);
-        let cause = StdError::source(&e).unwrap().to_string();
+        let cause = std::error::Error::source(&e).unwrap().to_string();
         assert!(cause.contains("random"), "{cause}");
     }
 }

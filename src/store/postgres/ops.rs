@@ -15,8 +15,8 @@ use super::rows::{
 use super::PostgresStore;
 use crate::record::{Completion, Fingerprint, Record, RecordId, ScopeId, Token};
 use crate::store::{
-    ClaimOutcome, IdempotencyAdmin, IdempotencyStore, RecordInfo, Removal, StoreError,
-    StoreErrorKind,
+    ClaimOutcome, ClaimRequest, IdempotencyAdmin, IdempotencyStore, RecordInfo, Removal,
+    StoreError, StoreErrorKind,
 };
 
 #[async_trait]
@@ -25,29 +25,13 @@ impl IdempotencyStore for PostgresStore {
         "postgres"
     }
 
-    async fn claim(
-        &self,
-        id: &RecordId,
-        fingerprint: &Fingerprint,
-        lease: Duration,
-        ttl: Duration,
-    ) -> Result<ClaimOutcome, StoreError> {
-        self.claim_as(None, id, fingerprint, lease, ttl).await
-    }
-
-    /// With per-scope quotas ([`with_max_records_per_scope`](PostgresStore::with_max_records_per_scope),
-    /// [`with_max_bytes_per_scope`](PostgresStore::with_max_bytes_per_scope)) the claim counts
-    /// the scope's records first; without, it is [`claim`](IdempotencyStore::claim).
-    async fn claim_in_scope(
-        &self,
-        scope: &ScopeId,
-        id: &RecordId,
-        fingerprint: &Fingerprint,
-        lease: Duration,
-        ttl: Duration,
-    ) -> Result<ClaimOutcome, StoreError> {
-        let scope = self.quota.is_on().then_some(scope);
-        self.claim_as(scope, id, fingerprint, lease, ttl).await
+    /// With per-scope quotas the claim counts the request's scope's records first; without
+    /// quotas the scope is not read.
+    async fn claim(&self, request: &ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
+        let r = request;
+        let scope = r.scope.filter(|_| self.quota.is_on());
+        self.claim_as(scope, r.id, r.fingerprint, r.lease, r.ttl)
+            .await
     }
 
     async fn extend(
@@ -104,7 +88,14 @@ impl IdempotencyStore for PostgresStore {
 
     async fn release(&self, id: &RecordId, token: &Token) -> Result<(), StoreError> {
         let (generation, nonce) = token_params(token);
-        let params: [&(dyn ToSql + Sync); 3] = [&id.as_bytes().as_slice(), &generation, &nonce];
+        // What a takeover's record holds once this token released it (release.sql).
+        let released = token.released();
+        let params: [&(dyn ToSql + Sync); 4] = [
+            &id.as_bytes().as_slice(),
+            &generation,
+            &nonce,
+            &released.nonce().as_slice(),
+        ];
         let mut attempts = Attempts::new(self, false);
         loop {
             let deadline = attempts.deadline()?;
@@ -114,14 +105,19 @@ impl IdempotencyStore for PostgresStore {
                         .first()
                         .ok_or_else(|| corrupt(CorruptRow("release returned no row")))?;
                     let applied: bool = column(row, "applied")?;
+                    // Kept by an earlier attempt of this release (a takeover's record).
+                    let done: bool = column(row, "done")?;
                     // Gone already: an earlier attempt deleted it, or it expired; the key is
                     // free either way.
                     let present: bool = column(row, "present")?;
-                    if applied || !present {
+                    if applied || done || !present {
                         return Ok(());
                     }
-                    return match self.held(id, token, attempts.end).await? {
+                    // A fresh look: an earlier attempt may have committed after this
+                    // statement's snapshot, deleting the record or keeping it released.
+                    return match self.held(id, &released, attempts.end).await? {
                         None => Ok(()),
+                        Some((true, IN_PROGRESS)) => Ok(()),
                         Some(_) => Err(StoreError::new(StoreErrorKind::Fenced)),
                     };
                 }

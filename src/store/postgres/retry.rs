@@ -271,7 +271,7 @@ impl PostgresStore {
         params: &[&(dyn ToSql + Sync)],
         deadline: Instant,
     ) -> Result<Vec<Row>, Failure> {
-        let client = match timeout_at(deadline, self.pool.get()).await {
+        let client = match timeout_at(deadline, self.checkout()).await {
             Ok(Ok(client)) => client,
             Ok(Err(e)) => {
                 return Err(Failure::Down {
@@ -289,13 +289,7 @@ impl PostgresStore {
         // Preparing has no effect on the data, so a failure here is never "unknown".
         let statement = match timeout_at(deadline, client.prepare_cached(sql)).await {
             Ok(Ok(s)) => s,
-            Ok(Err(e)) => {
-                let failure = classify(e, false);
-                if matches!(failure, Failure::Down { .. }) {
-                    discard(client);
-                }
-                return Err(failure);
-            }
+            Ok(Err(e)) => return Err(self.failed(client, e, false)),
             Err(e) => {
                 discard(client);
                 return Err(Failure::Down {
@@ -306,13 +300,7 @@ impl PostgresStore {
         };
         match timeout_at(deadline, client.query(&statement, params)).await {
             Ok(Ok(rows)) => Ok(rows),
-            Ok(Err(e)) => {
-                let failure = classify(e, true);
-                if matches!(failure, Failure::Down { .. }) {
-                    discard(client);
-                }
-                Err(failure)
-            }
+            Ok(Err(e)) => Err(self.failed(client, e, true)),
             Err(e) => {
                 // The statement may still be running, or waiting on a lock: cancel it on the
                 // server (on a connection of its own, in the background, so this operation
@@ -337,6 +325,50 @@ impl PostgresStore {
                 })
             }
         }
+    }
+
+    /// A pooled connection opened after the last time one found its server read-only.
+    async fn checkout(&self) -> Result<Object, deadpool_postgres::PoolError> {
+        loop {
+            let client = self.pool.get().await?;
+            let stale = self.read_only_since();
+            match stale {
+                Some(at) if Object::metrics(&client).created <= at => discard(client),
+                _ => return Ok(client),
+            }
+        }
+    }
+
+    fn read_only_since(&self) -> Option<std::time::Instant> {
+        *self.read_only_at.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Sorts a statement's error, and drops the connection when it is no use any more.
+    fn failed(&self, client: Object, e: tokio_postgres::Error, sent: bool) -> Failure {
+        if e.code() == Some(&SqlState::READ_ONLY_SQL_TRANSACTION) {
+            // This server no longer takes writes: a standby, or a primary fenced in a
+            // failover. So may every connection opened before now be (the pool's idle ones
+            // are dropped here, the busy ones when next checked out), and a fresh one finds
+            // the writable host (`target_session_attrs=read-write`). The statement wrote
+            // nothing: sent again, not read back.
+            let now = std::time::Instant::now();
+            *self.read_only_at.lock().unwrap_or_else(|e| e.into_inner()) = Some(now);
+            self.pool.retain(|_, m| m.created > now);
+            discard(client);
+            tracing::warn!(
+                error = %e,
+                "a pooled postgres connection found its server read-only; reconnecting"
+            );
+            return Failure::Down {
+                error: e.into(),
+                sent: false,
+            };
+        }
+        let failure = classify(e, sent);
+        if matches!(failure, Failure::Down { .. }) {
+            discard(client);
+        }
+        failure
     }
 
     /// Runs a statement with the retry policy. `idempotent`: a read, or a write whose

@@ -11,8 +11,8 @@ use tokio_postgres::types::ToSql;
 use tokio_postgres::Row;
 
 use crate::record::{
-    get_headers, put_headers, Completion, Fingerprint, Record, RecordId, RecordState,
-    StoredResponse, Token,
+    get_headers, get_vary, put_headers, put_vary, Completion, Fingerprint, Record, RecordId,
+    RecordState, StoredResponse, Token, VaryGuard,
 };
 use crate::store::{Claim, ClaimOutcome, StoreError, StoreErrorKind};
 
@@ -28,6 +28,9 @@ const TOMBSTONE: i16 = 2;
 
 /// Version byte in front of the `headers` and `trailers` columns.
 const HEADERS_FORMAT: u8 = 1;
+/// The `headers` column with the record's Vary guard after the headers. Version 1 kept the
+/// guard as a header; it is still read.
+const HEADERS_WITH_GUARD_FORMAT: u8 = 2;
 
 // Outcomes of the claim statement (claim.sql, claim_function.sql), in order of precedence.
 const INSERTED: i16 = 0;
@@ -58,6 +61,15 @@ pub(super) fn encode_headers(h: &HeaderMap) -> Vec<u8> {
     out
 }
 
+/// The `headers` column of a response: its headers, then its Vary guard.
+fn encode_response_headers(h: &HeaderMap, vary: Option<&VaryGuard>) -> Vec<u8> {
+    let mut out = Vec::with_capacity(1 + 4 + 48 * h.len() + 1);
+    out.push(HEADERS_WITH_GUARD_FORMAT);
+    put_headers(&mut out, h);
+    put_vary(&mut out, vary);
+    out
+}
+
 fn decode_headers(bytes: Vec<u8>) -> Result<HeaderMap, StoreError> {
     let mut buf = Bytes::from(bytes);
     if buf.is_empty() || buf.get_u8() != HEADERS_FORMAT {
@@ -68,6 +80,27 @@ fn decode_headers(bytes: Vec<u8>) -> Result<HeaderMap, StoreError> {
         return Err(corrupt(CorruptRow("trailing bytes after headers")));
     }
     Ok(headers)
+}
+
+fn decode_response_headers(bytes: Vec<u8>) -> Result<(HeaderMap, Option<VaryGuard>), StoreError> {
+    let mut buf = Bytes::from(bytes);
+    match buf.first() {
+        Some(&HEADERS_FORMAT) => {
+            let mut headers = decode_headers(buf.to_vec())?;
+            let vary = crate::recording::legacy_vary_guard(&mut headers);
+            Ok((headers, vary))
+        }
+        Some(&HEADERS_WITH_GUARD_FORMAT) => {
+            buf.advance(1);
+            let headers = get_headers(&mut buf).map_err(corrupt)?;
+            let vary = get_vary(&mut buf).map_err(corrupt)?;
+            if buf.has_remaining() {
+                return Err(corrupt(CorruptRow("trailing bytes after headers")));
+            }
+            Ok((headers, vary))
+        }
+        _ => Err(corrupt(CorruptRow("unknown headers format"))),
+    }
 }
 
 pub(super) fn column<'r, T: tokio_postgres::types::FromSql<'r>>(
@@ -109,20 +142,25 @@ pub(super) fn decode_record(row: &Row) -> Result<Record, StoreError> {
             let headers: Vec<u8> = column(row, "headers")?;
             let body: Vec<u8> = column(row, "body")?;
             let trailers: Option<Vec<u8>> = column(row, "trailers")?;
+            let (headers, vary) = decode_response_headers(headers)?;
             RecordState::Completed(Completion::Response(StoredResponse {
                 status: status()?,
-                headers: decode_headers(headers)?,
+                headers,
                 body: Bytes::from(body),
                 trailers: trailers.map(decode_headers).transpose()?,
+                vary,
             }))
         }
         TOMBSTONE => RecordState::Completed(Completion::Tombstone { status: status()? }),
         _ => return Err(corrupt(CorruptRow("unknown state"))),
     };
-    Ok(Record {
-        fingerprint,
-        generation: generation(row)?,
-        state,
+    let generation = generation(row)?;
+    let record = Record::new(fingerprint, generation, state);
+    // Statements that do not read the nonce leave the holder unknown.
+    let nonce: Option<Vec<u8>> = row.try_get("nonce").ok();
+    Ok(match nonce.and_then(|n| <[u8; 16]>::try_from(n).ok()) {
+        Some(nonce) => record.with_holder(Token::from_parts(generation, nonce)),
+        None => record,
     })
 }
 
@@ -148,11 +186,11 @@ pub(super) fn decode_claim(
     let generation = generation(row)?;
     let claimed = |generation: u64, lapsed_for: Option<Duration>| {
         // A new or replaced record starts at generation 1; a takeover is always above it.
-        let takeover = generation > 1;
-        Ok(Some(ClaimOutcome::Claimed(Claim {
-            token: Token::from_parts(generation, *nonce),
-            takeover,
-            lapsed_for: lapsed_for.filter(|_| takeover),
+        let token = Token::from_parts(generation, *nonce);
+        Ok(Some(ClaimOutcome::Claimed(if generation > 1 {
+            Claim::takeover(token, lapsed_for)
+        } else {
+            Claim::first(token)
         })))
     };
     match outcome {
@@ -188,7 +226,7 @@ fn completion_columns(completion: &Completion) -> CompletionColumns<'_> {
         Completion::Response(r) => (
             RESPONSE,
             r.status.as_u16() as i16,
-            Some(encode_headers(&r.headers)),
+            Some(encode_response_headers(&r.headers, r.vary.as_ref())),
             Some(r.body.as_ref()),
             r.trailers.as_ref().map(encode_headers),
         ),

@@ -6,8 +6,7 @@ use std::time::Duration;
 use deadpool_postgres::Pool;
 
 use super::migrate::SetupError;
-use super::sql::Table;
-use super::{PostgresStore, DEFAULT_TABLE, DEFAULT_TIMEOUT};
+use super::{PostgresStore, PostgresStoreBuilder, DEFAULT_TIMEOUT};
 use crate::store::{StoreError, StoreErrorKind};
 
 /// `statement_timeout` and `lock_timeout` for operations bounded by `t` (see above), in whole
@@ -143,7 +142,9 @@ impl PostgresStore {
             .build()
             .map_err(|e| StoreError::with_source(StoreErrorKind::Other, e))
     }
+}
 
+impl PostgresStoreBuilder {
     /// Connects to `url` (a `postgres://` URL or a key-value string) with a pool of 16
     /// connections, and checks that one connection opens.
     ///
@@ -161,15 +162,15 @@ impl PostgresStore {
     /// Their `statement_timeout` and `lock_timeout` sit just below the store's
     /// [timeout](Self::with_timeout), so the server ends a blocked statement itself, and TCP
     /// keepalives notice a dead peer within about a minute.
-    /// For other pool settings, build a [`Pool`] and use [`PostgresStore::new`].
-    pub async fn connect(url: &str) -> Result<Self, SetupError> {
+    /// For other pool settings, build a [`Pool`] and use [`build`](Self::build).
+    pub async fn connect(self, url: &str) -> Result<PostgresStore, SetupError> {
         #[cfg(feature = "postgres-tls")]
         let tls = Tls::Rustls(tokio_postgres_rustls::MakeRustlsConnect::new(
             encrypt_only_config(),
         ));
         #[cfg(not(feature = "postgres-tls"))]
         let tls = Tls::None;
-        Self::connect_owned(url, tls).await
+        self.connect_owned(url, tls).await
     }
 
     /// Like [`connect`](Self::connect), with your rustls configuration, which verifies the
@@ -188,7 +189,8 @@ impl PostgresStore {
     /// let tls = rustls::ClientConfig::builder()
     ///     .with_root_certificates(roots)
     ///     .with_no_client_auth();
-    /// let store = PostgresStore::connect_with_tls(
+    /// let store = PostgresStore::builder()
+    ///     .connect_with_tls(
     ///     "postgres://app@db.internal/app?sslmode=require",
     ///     tls,
     /// )
@@ -198,14 +200,15 @@ impl PostgresStore {
     #[cfg(feature = "postgres-tls")]
     #[cfg_attr(docsrs, doc(cfg(feature = "postgres-tls")))]
     pub async fn connect_with_tls(
+        self,
         url: &str,
         tls: rustls::ClientConfig,
-    ) -> Result<Self, SetupError> {
+    ) -> Result<PostgresStore, SetupError> {
         let tls = Tls::Rustls(tokio_postgres_rustls::MakeRustlsConnect::new(tls));
-        Self::connect_owned(url, tls).await
+        self.connect_owned(url, tls).await
     }
 
-    async fn connect_owned(url: &str, tls: Tls) -> Result<Self, SetupError> {
+    async fn connect_owned(self, url: &str, tls: Tls) -> Result<PostgresStore, SetupError> {
         let mut config: tokio_postgres::Config = url.parse().map_err(SetupError::Url)?;
         if config.get_application_name().is_none() {
             config.application_name("tower-idempotency");
@@ -220,16 +223,18 @@ impl PostgresStore {
             .keepalives_retries(KEEPALIVE_RETRIES);
         let owned = Owned { config, tls };
         // Building a pool only fails for a broken runtime setup, which a test would catch.
-        let pool = Self::owned_pool(&owned, DEFAULT_TIMEOUT)
+        let pool = PostgresStore::owned_pool(&owned, self.timeout)
             .expect("a deadpool pool with the tokio runtime builds");
         drop(pool.get().await.map_err(SetupError::Connect)?);
-        let table = Table::parse(DEFAULT_TABLE).expect("the default table name is valid");
-        Ok(Self::with_parts(
-            pool,
-            Some(Arc::new(owned)),
-            table,
-            DEFAULT_TIMEOUT,
-        ))
+        Ok(PostgresStore::with_parts(pool, Some(Arc::new(owned)), self))
+    }
+}
+
+impl PostgresStore {
+    /// [`PostgresStore::builder().connect(url)`](PostgresStoreBuilder::connect): the
+    /// defaults, on a pool of 16 connections to `url`.
+    pub async fn connect(url: &str) -> Result<Self, SetupError> {
+        Self::builder().connect(url).await
     }
 }
 

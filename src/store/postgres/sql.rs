@@ -12,7 +12,7 @@ const MAX_SCHEMA_LEN: usize = 63;
 
 /// The validated table: quoted for SQL, the names of the objects `migrate` makes for it, and
 /// the keys of its advisory locks.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(super) struct Table {
     pub(super) name: String,
     pub(super) quoted: String,

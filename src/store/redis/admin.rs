@@ -37,7 +37,8 @@ impl IdempotencyAdmin for RedisStore {
         let key = self.key(id);
         let mut pipe = redis::pipe();
         pipe.cmd("GET").arg(&key).cmd("TIME").cmd("PTTL").arg(&key);
-        let call = self.inner.conn.pipeline(&pipe, &key);
+        let (_, conn) = self.inner.link.any_conn();
+        let call = conn.pipeline(&pipe, &key);
         let replies = match tokio::time::timeout(self.inner.timeout, call).await {
             Ok(r) => r.map_err(|e| Failure::from_redis(e).into_error())?,
             Err(elapsed) => return Err(StoreError::with_source(StoreErrorKind::Unknown, elapsed)),
@@ -48,7 +49,7 @@ impl IdempotencyAdmin for RedisStore {
         let Some(value) = record::value_bytes(value)? else {
             return Ok(None);
         };
-        let found = record::decode(value, record::time_ms(&time)?, &[])?;
+        let found = record::decode(value, record::time_ms(&time)?)?;
         // PTTL is -1 for a key without expiry, which the store never writes.
         let pttl = match pttl {
             Value::Int(n) => u64::try_from(n).unwrap_or(0),

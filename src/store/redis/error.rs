@@ -29,6 +29,36 @@ impl fmt::Display for ReplicationShortfall {
 
 impl StdError for ReplicationShortfall {}
 
+/// The source of a store error while a failover of the primary is under way: the store
+/// learned from Sentinel that its primary is being replaced, and acknowledges no write until
+/// it is connected to the new one (a write the old primary took now could be lost with it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FailoverUnderway;
+
+impl fmt::Display for FailoverUnderway {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(
+            "a Sentinel failover of the Redis primary is under way: no write is acknowledged \
+             until the store is connected to the new primary",
+        )
+    }
+}
+
+impl StdError for FailoverUnderway {}
+
+/// A call refused, or not acknowledged, because the connection it took was found to point
+/// at a node that may no longer be the primary; the store is reconnecting.
+#[derive(Debug)]
+pub(super) struct Reconnecting;
+
+impl fmt::Display for Reconnecting {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("the Redis idempotency store is reconnecting to its primary")
+    }
+}
+
+impl StdError for Reconnecting {}
+
 /// A reply the store cannot read: a script and this code disagree, or a key holds something
 /// that is not a record.
 #[derive(Debug)]

@@ -8,13 +8,15 @@
 //! let store = RedisStore::connect("redis://127.0.0.1:6379/").await?;
 //! // Redis Cluster, from any subset of its nodes:
 //! let cluster = RedisStore::connect_cluster(["redis://redis-a:7000/", "redis://redis-b:7000/"]).await?;
+//! // The primary Sentinel names for `shop`, followed through failovers:
+//! let sentinel = RedisStore::connect("redis+sentinel://sentinel-a:26379,sentinel-b:26379/shop").await?;
 //! // With settings:
 //! let tuned = RedisStore::builder()
 //!     .with_key_prefix("shop:idem:")
 //!     .with_timeout(std::time::Duration::from_millis(500))
 //!     .connect("redis://127.0.0.1:6379/")
 //!     .await?;
-//! # drop((store, cluster, tuned));
+//! # drop((store, cluster, sentinel, tuned));
 //! # Ok(())
 //! # }
 //! ```
@@ -36,6 +38,9 @@
 //!   more (a renewal and `WAIT`, pipelined); a complete sends its `WAIT` in the same pipeline.
 //! - **Fencing.** `complete`, `extend` and `release` check the token's generation **and** nonce;
 //!   a stale token writes nothing and fails with [`StoreErrorKind::Fenced`].
+//! - **A key keeps its history.** `release` deletes a first claim's record, but keeps a
+//!   takeover's: its lease ends now and its nonce becomes one no claim holds (release.lua), so
+//!   the next claim of the same request takes over with the generation plus one.
 //! - **Redis's clock.** Lease deadlines come from `TIME` inside the scripts (or pipelined
 //!   after a `GET`), and expiry from `PX` and `PEXPIRE`. The application's clock is never read, so clock skew between app servers does
 //!   not matter.
@@ -72,7 +77,9 @@
 //! service), while completed records still replay: the claim script reads before it writes
 //! (Redis refuses only a script's first write, not the script), and the record comes from the
 //! `GET` pipelined after it. A takeover, `complete` and `extend` are writes and fail with `Full`
-//! too; `release` (a `DEL`) and `get` keep working.
+//! too; `release` of a first claim (a `DEL`) and `get` keep working. The release of a
+//! takeover keeps the record (see the [store contract](super)), rewriting its lease in place,
+//! and a full Redis refuses that write too: the key is then taken over once the lease lapses.
 //!
 //! # Durability: AOF, replication and `WAIT`
 //!
@@ -94,6 +101,33 @@
 //! [`connect_cluster`](RedisStoreBuilder::connect_cluster)); a store
 //! [built](RedisStoreBuilder::build) on your connection sends `WAIT` on that connection.
 //!
+//! # Failover
+//!
+//! A store follows its primary by itself. A `READONLY` (or `MASTERDOWN`) reply fails that
+//! call ([`StoreErrorKind::Unavailable`]: the layer answers 503) and marks the connection
+//! suspect: it is not used again, and one background task (at most one every 100 ms)
+//! reconnects, loads the scripts on the node it reaches and swaps the new connection in.
+//! Which node that is depends on how the store was built:
+//!
+//! - **A URL** ([`connect`](RedisStoreBuilder::connect)): the URL again, so a host name or a
+//!   proxy that now points at the new primary is followed. A URL naming one node's address
+//!   cannot follow a failover to another node: use Sentinel.
+//! - **Sentinel** (`redis+sentinel://host:port[,host:port...]/<master-name>`, or
+//!   [`connect_sentinel`](RedisStoreBuilder::connect_sentinel)): the primary Sentinel names
+//!   now, asked with the `redis` crate's Sentinel client, which checks the node's role. A lost
+//!   connection or a timeout marks the connection suspect too, since the connection manager
+//!   would redial the old address (a primary that restarted empty, or was demoted). The store
+//!   also listens to the Sentinels' failover events
+//!   ([`with_failover_events`](RedisStoreBuilder::with_failover_events)): from a failover's
+//!   first event until it is connected to the announced primary it acknowledges no write, so
+//!   an old primary that still takes writes during a forced failover cannot lose an answer
+//!   the store reported as recorded.
+//!
+//! A call that was under way when its connection was found suspect, or when a failover
+//! began, is reported [`StoreErrorKind::Unknown`], never acknowledged. What each `WAIT`
+//! setting promises across a failover, and what the failover suite measured, is in
+//! `docs/operations.md` (Failover).
+//!
 //! # Redis Cluster
 //!
 //! All of a record is one string, and its key carries the record id as a hash tag (with
@@ -107,7 +141,7 @@
 //!
 //! The cluster client itself resends a command whose connection dropped. Every script is safe
 //! to resend: a claim is idempotent for its nonce and fingerprint, a `complete` that had landed
-//! answers `Ok` the second time, and so does a `release` that had deleted the record.
+//! answers `Ok` the second time, and so does a `release` that had deleted or kept the record.
 //!
 //! # Per-scope quotas
 //!
@@ -117,7 +151,8 @@
 //! a cluster alike. The claim script counts and admits in the same call as the claim. A
 //! refused claim writes nothing and fails with [`StoreErrorKind::QuotaExceeded`]; existing
 //! records still replay. A counted record carries its scope (format `3`), so `complete` adds
-//! the answer's bytes and `release` (and the operator's removals) give the record back.
+//! the answer's bytes and `release` of a first claim (and the operator's removals) give the
+//! record back; a kept takeover counts until it expires or is removed.
 //! Without a quota none of this runs.
 //!
 //! `complete`, `extend`, `release` and `get` receive only the record id, so the scope's keys
@@ -140,7 +175,7 @@
 //! primaries there are; tenants still spread over the slots by their tags. Without quotas
 //! every record is its own hash tag and one tenant's records spread over the whole cluster.
 //! The unscoped space is one scope here too: an unscoped layer's records all share one tag
-//! (a record claimed with [`IdempotencyStore::claim`] rather than `claim_in_scope` is placed
+//! (a record claimed without a [scope](crate::store::ClaimRequest::in_scope) is placed
 //! by its id but not counted). Turning quotas on or off changes the key layout: records written under the
 //! other setting are not found (a retry within their TTL runs again), so switch when a lost
 //! TTL's worth of records is acceptable, or drain first.
@@ -170,6 +205,8 @@
 mod admin;
 mod connection;
 mod error;
+mod events;
+mod follow;
 mod record;
 mod scripts;
 mod setup;
@@ -186,10 +223,10 @@ pub use redis;
 use redis::{Pipeline, Value};
 
 pub use connection::RedisConnection;
-pub use error::ReplicationShortfall;
+pub use error::{FailoverUnderway, ReplicationShortfall};
 pub use setup::{RedisStoreBuilder, SetupError};
 
-use super::{Claim, ClaimOutcome, IdempotencyStore, StoreError, StoreErrorKind};
+use super::{Claim, ClaimOutcome, ClaimRequest, IdempotencyStore, StoreError, StoreErrorKind};
 use crate::record::{Completion, Fingerprint, Record, RecordId, RecordState, ScopeId, Token};
 use error::{corrupt, fenced, shortfall, unknown, BadReply, Failure};
 use record::Found;
@@ -216,7 +253,8 @@ pub struct RedisStore {
 }
 
 struct Inner {
-    conn: RedisConnection,
+    /// The connection calls take, replaced when the primary moves.
+    link: Arc<follow::Link>,
     /// Connections for writes followed by `WAIT`, when `WAIT` is on and the store made its
     /// own connection.
     dedicated: Option<Dedicated>,
@@ -262,7 +300,7 @@ impl Quotas {
 impl fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisStore")
-            .field("conn", &self.inner.conn)
+            .field("conn", &self.inner.link.any_conn().1)
             .field("prefix", &self.inner.prefix)
             .field("wait", &self.inner.wait)
             .field("timeout", &self.inner.timeout)
@@ -324,27 +362,81 @@ impl RedisStore {
     /// bounded by the timeout. A `NOSCRIPT` answer (a fresh node, `SCRIPT FLUSH`) loads the
     /// script there and sends the pipeline once more; the refused call wrote nothing.
     async fn send(&self, pipe: &Pipeline, lua: &Lua, key: &str) -> Result<Vec<Value>, Failure> {
-        let conn = &self.inner.conn;
+        let link = &self.inner.link;
+        let holds = self.refuse_during_failover()?;
+        let (epoch, conn) = link.conn().ok_or_else(reconnecting)?;
         let call = async {
             let mut replies = conn
                 .pipeline(pipe, key)
                 .await
-                .map_err(Failure::from_redis)?;
+                .map_err(|e| self.failed(epoch, e))?;
             if matches!(replies.first(), Some(Value::ServerError(e)) if e.code() == "NOSCRIPT") {
                 let mut load = redis::cmd("SCRIPT");
                 load.arg("LOAD").arg(lua.code);
-                conn.on_key(&load, key).await.map_err(Failure::from_redis)?;
+                conn.on_key(&load, key)
+                    .await
+                    .map_err(|e| self.failed(epoch, e))?;
                 replies = conn
                     .pipeline(pipe, key)
                     .await
-                    .map_err(Failure::from_redis)?;
+                    .map_err(|e| self.failed(epoch, e))?;
             }
-            Ok(replies)
+            Ok::<_, Failure>(replies)
         };
-        match tokio::time::timeout(self.inner.timeout, call).await {
-            Ok(r) => r,
-            Err(elapsed) => Err(Failure::Uncertain(Box::new(elapsed))),
+        let replies = match tokio::time::timeout(self.inner.timeout, call).await {
+            Ok(r) => r?,
+            Err(elapsed) => {
+                if link.follows_sentinel() {
+                    link.suspect(epoch);
+                }
+                return Err(Failure::Uncertain(Box::new(elapsed)));
+            }
+        };
+        self.acknowledge_unless_failover(holds)?;
+        // A refusal by a node that is no longer the primary is certain: its error stands.
+        // Otherwise a connection found suspect while this call ran may have been redialled
+        // to a node that is no longer the primary: nothing it answered is acknowledged.
+        if !link.observe_replies(epoch, &replies) && !link.usable(epoch) {
+            return Err(Failure::Certain(StoreError::with_source(
+                StoreErrorKind::Unknown,
+                error::Reconnecting,
+            )));
         }
+        Ok(replies)
+    }
+
+    /// A Redis error on the connection of `epoch`, noted (a `READONLY` reply or, with
+    /// Sentinel, a lost connection makes the store look for the primary again).
+    fn failed(&self, epoch: u64, e: redis::RedisError) -> Failure {
+        self.inner.link.observe(epoch, &e);
+        Failure::from_redis(e)
+    }
+
+    /// Refuses a write while a failover of the primary is under way (see
+    /// [`with_failover_events`](RedisStoreBuilder::with_failover_events)); otherwise the
+    /// count of failovers seen so far, for [`acknowledge_unless_failover`](Self::acknowledge_unless_failover).
+    fn refuse_during_failover(&self) -> Result<u64, Failure> {
+        let link = &self.inner.link;
+        let holds = link.holds();
+        if link.held() {
+            return Err(Failure::Certain(StoreError::with_source(
+                StoreErrorKind::Unavailable,
+                error::FailoverUnderway,
+            )));
+        }
+        Ok(holds)
+    }
+
+    /// A write whose reply came after a failover began may be on a node about to be demoted,
+    /// and lost with it: its outcome is unknown, never acknowledged.
+    fn acknowledge_unless_failover(&self, holds: u64) -> Result<(), Failure> {
+        if self.inner.link.holds() != holds {
+            return Err(Failure::Certain(StoreError::with_source(
+                StoreErrorKind::Unknown,
+                error::FailoverUnderway,
+            )));
+        }
+        Ok(())
     }
 
     /// Runs one script call on `keys` (the first names the node); its reply, or its error
@@ -361,15 +453,20 @@ impl RedisStore {
         }
     }
 
-    /// Reads the record (`GET` and `TIME`, pipelined: no script), telling whether `nonce`
-    /// holds it.
-    async fn read(&self, key: &str, nonce: &[u8]) -> Result<Option<Found>, Failure> {
+    /// Reads the record (`GET` and `TIME`, pipelined: no script).
+    async fn read(&self, key: &str) -> Result<Option<Found>, Failure> {
         let mut pipe = redis::pipe();
         pipe.cmd("GET").arg(key).cmd("TIME");
-        let call = self.inner.conn.pipeline(&pipe, key);
+        let (epoch, conn) = self.inner.link.conn().ok_or_else(reconnecting)?;
+        let call = conn.pipeline(&pipe, key);
         let replies = match tokio::time::timeout(self.inner.timeout, call).await {
-            Ok(r) => r.map_err(Failure::from_redis)?,
-            Err(elapsed) => return Err(Failure::Uncertain(Box::new(elapsed))),
+            Ok(r) => r.map_err(|e| self.failed(epoch, e))?,
+            Err(elapsed) => {
+                if self.inner.link.follows_sentinel() {
+                    self.inner.link.suspect(epoch);
+                }
+                return Err(Failure::Uncertain(Box::new(elapsed)));
+            }
         };
         let [value, time]: [Value; 2] = replies
             .try_into()
@@ -377,7 +474,7 @@ impl RedisStore {
         let Some(value) = record::value_bytes(value)? else {
             return Ok(None);
         };
-        Ok(Some(record::decode(value, record::time_ms(&time)?, nonce)?))
+        Ok(Some(record::decode(value, record::time_ms(&time)?)?))
     }
 
     /// Makes sure replicas have a claim this store just won, when `WAIT` is on. On a dedicated
@@ -417,11 +514,16 @@ impl RedisStore {
         };
         let mut wait = redis::cmd("WAIT");
         wait.arg(wanted.get()).arg(millis(timeout));
-        let call = self.inner.conn.on_key(&wait, key);
+        let (epoch, conn) = self
+            .inner
+            .link
+            .conn()
+            .ok_or_else(|| reconnecting().into_error())?;
+        let call = conn.on_key(&wait, key);
         let acknowledged = match tokio::time::timeout(self.inner.timeout + timeout, call).await {
             Ok(Ok(Value::Int(n))) => u64::try_from(n).unwrap_or(0),
             Ok(Ok(_)) => return Err(corrupt("WAIT reply is not an integer")),
-            Ok(Err(e)) => return Err(Failure::from_redis(e).into_error()),
+            Ok(Err(e)) => return Err(self.failed(epoch, e).into_error()),
             Err(elapsed) => return Err(StoreError::with_source(StoreErrorKind::Unknown, elapsed)),
         };
         shortfall(acknowledged, wanted)
@@ -444,22 +546,48 @@ impl RedisStore {
             .cmd("WAIT")
             .arg(wanted.get())
             .arg(millis(wait));
+        let holds = self.refuse_during_failover()?;
+        let (link_epoch, _) = self.inner.link.conn().ok_or_else(reconnecting)?;
         let call = async {
-            let mut conn = dedicated.take().await.map_err(Failure::from_redis)?;
-            let mut replies = conn.send(&pipe, key).await.map_err(Failure::from_redis)?;
+            let (epoch, mut conn) = dedicated
+                .take()
+                .await
+                .map_err(|e| self.failed(link_epoch, e))?;
+            let mut replies = conn
+                .send(&pipe, key)
+                .await
+                .map_err(|e| self.failed(epoch, e))?;
             if matches!(replies.first(), Some(Value::ServerError(e)) if e.code() == "NOSCRIPT") {
                 // A fresh node, or SCRIPT FLUSH: load it here and send once more (the failed
                 // EVALSHA wrote nothing).
-                conn.load(lua.code).await.map_err(Failure::from_redis)?;
-                replies = conn.send(&pipe, key).await.map_err(Failure::from_redis)?;
+                conn.load(lua.code)
+                    .await
+                    .map_err(|e| self.failed(epoch, e))?;
+                replies = conn
+                    .send(&pipe, key)
+                    .await
+                    .map_err(|e| self.failed(epoch, e))?;
             }
-            dedicated.give(conn);
-            Ok::<_, Failure>(replies)
+            dedicated.give(epoch, conn);
+            Ok::<_, Failure>((epoch, replies))
         };
-        let replies = match tokio::time::timeout(self.inner.timeout + wait, call).await {
+        let (epoch, replies) = match tokio::time::timeout(self.inner.timeout + wait, call).await {
             Ok(r) => r?,
-            Err(elapsed) => return Err(Failure::Uncertain(Box::new(elapsed))),
+            Err(elapsed) => {
+                if self.inner.link.follows_sentinel() {
+                    self.inner.link.suspect(link_epoch);
+                }
+                return Err(Failure::Uncertain(Box::new(elapsed)));
+            }
         };
+        self.acknowledge_unless_failover(holds)?;
+        let moved = self.inner.link.observe_replies(epoch, &replies);
+        if !moved && !self.inner.link.usable(epoch) {
+            return Err(Failure::Certain(StoreError::with_source(
+                StoreErrorKind::Unknown,
+                error::Reconnecting,
+            )));
+        }
         let [reply, acked]: [Value; 2] = replies
             .try_into()
             .map_err(|_| Failure::Certain(corrupt("pipeline reply count")))?;
@@ -480,7 +608,6 @@ impl RedisStore {
     async fn fenced(
         &self,
         keys: &Keys,
-        token: &Token,
         lua: &Lua,
         args: &[&[u8]],
         settled: impl Fn(Option<&Found>) -> Option<Result<(), StoreError>>,
@@ -493,7 +620,7 @@ impl RedisStore {
                 Ok(Value::Int(0)) => return Err(fenced()),
                 Ok(_) => return Err(corrupt("fenced script reply")),
                 Err(Failure::Certain(e)) => return Err(e),
-                Err(Failure::Uncertain(e)) => match self.read(key, token.nonce()).await {
+                Err(Failure::Uncertain(e)) => match self.read(key).await {
                     Ok(found) => match settled(found.as_ref()) {
                         Some(result) => return result,
                         None => lost = Some(e),
@@ -504,6 +631,14 @@ impl RedisStore {
         }
         Err(unknown(lost))
     }
+}
+
+/// The failure of a call made while the store looks for its primary: nothing was sent.
+fn reconnecting() -> Failure {
+    Failure::Certain(StoreError::with_source(
+        StoreErrorKind::Unavailable,
+        error::Reconnecting,
+    ))
 }
 
 /// `<prefix>{<hex id>}`: the braces make the id the cluster hash tag, whatever the prefix.
@@ -564,7 +699,7 @@ fn parse_claim(replies: Vec<Value>, nonce: [u8; 16]) -> Result<Option<ClaimOutco
     let Some(value) = record::value_bytes(value)? else {
         return Ok(None);
     };
-    let mut found = record::decode(value, 0, &[])?;
+    let mut found = record::decode(value, 0)?;
     match &mut found.record.state {
         RecordState::Completed(_) => {}
         // In progress: the lease left comes from the script, which read Redis's clock.
@@ -587,10 +722,11 @@ fn positive(n: i64) -> Result<u64, StoreError> {
 /// A claim this store's nonce holds. Every fresh record starts at generation 1, so a higher
 /// one was a takeover.
 fn claimed(generation: u64, nonce: [u8; 16], lapsed_for: Option<Duration>) -> ClaimOutcome {
-    ClaimOutcome::Claimed(Claim {
-        token: Token::from_parts(generation, nonce),
-        takeover: generation > 1,
-        lapsed_for,
+    let token = Token::from_parts(generation, nonce);
+    ClaimOutcome::Claimed(if generation > 1 {
+        Claim::takeover(token, lapsed_for)
+    } else {
+        Claim::first(token)
     })
 }
 
@@ -638,9 +774,9 @@ impl RedisStore {
                 // The record changed between the script and the GET: ask again.
                 Ok(None) => continue,
                 Err(Failure::Certain(e)) => return Err(e),
-                Err(Failure::Uncertain(e)) => match self.read(key, &nonce).await {
+                Err(Failure::Uncertain(e)) => match self.read(key).await {
                     Ok(Some(found))
-                        if found.mine
+                        if found.nonce == nonce
                             && !found.completed()
                             && found.record.fingerprint == *fingerprint =>
                     {
@@ -676,27 +812,12 @@ impl IdempotencyStore for RedisStore {
         "redis"
     }
 
-    async fn claim(
-        &self,
-        id: &RecordId,
-        fingerprint: &Fingerprint,
-        lease: Duration,
-        ttl: Duration,
-    ) -> Result<ClaimOutcome, StoreError> {
-        self.claim_as(None, id, fingerprint, lease, ttl).await
-    }
-
-    async fn claim_in_scope(
-        &self,
-        scope: &ScopeId,
-        id: &RecordId,
-        fingerprint: &Fingerprint,
-        lease: Duration,
-        ttl: Duration,
-    ) -> Result<ClaimOutcome, StoreError> {
+    async fn claim(&self, request: &ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
+        let r = request;
         // Without quotas a scope changes nothing here: the record id already includes it.
-        let scope = self.inner.quotas.any().then_some(scope);
-        self.claim_as(scope, id, fingerprint, lease, ttl).await
+        let scope = r.scope.filter(|_| self.inner.quotas.any());
+        self.claim_as(scope, r.id, r.fingerprint, r.lease, r.ttl)
+            .await
     }
 
     async fn extend(
@@ -711,7 +832,7 @@ impl IdempotencyStore for RedisStore {
         let lua = &self.inner.scripts.extend;
         // Still ours and in progress: send again (renewing twice is harmless).
         let args: [&[u8]; 3] = [&tok, lease.as_bytes(), keys.id.as_bytes()];
-        self.fenced(&keys, token, lua, &args, |found| match found {
+        self.fenced(&keys, lua, &args, |found| match found {
             Some(f) if f.held_by(token) && !f.completed() => None,
             _ => Some(Err(fenced())),
         })
@@ -743,7 +864,7 @@ impl IdempotencyStore for RedisStore {
                     Ok((Value::Int(0), _)) => return Err(fenced()),
                     Ok(_) => return Err(corrupt("complete script reply")),
                     Err(Failure::Certain(e)) => return Err(e),
-                    Err(Failure::Uncertain(e)) => match self.read(key, token.nonce()).await {
+                    Err(Failure::Uncertain(e)) => match self.read(key).await {
                         // It landed, but whether replicas have it is not known.
                         Ok(Some(f)) if f.held_by(token) && f.completed() => {
                             return Err(StoreError::with_source(StoreErrorKind::Unknown, e))
@@ -756,7 +877,7 @@ impl IdempotencyStore for RedisStore {
             }
             return Err(unknown(lost));
         }
-        self.fenced(&keys, token, lua, &args, |found| match found {
+        self.fenced(&keys, lua, &args, |found| match found {
             Some(f) if f.held_by(token) && f.completed() => Some(Ok(())),
             Some(f) if f.held_by(token) => None,
             _ => Some(Err(fenced())),
@@ -768,11 +889,14 @@ impl IdempotencyStore for RedisStore {
     async fn release(&self, id: &RecordId, token: &Token) -> Result<(), StoreError> {
         let keys = self.keys(id);
         let tok = record::token_bytes(token).ok_or_else(fenced)?;
+        let released = record::token_bytes(&token.released()).ok_or_else(fenced)?;
         let lua = &self.inner.scripts.release;
-        let args: [&[u8]; 2] = [&tok, keys.id.as_bytes()];
-        self.fenced(&keys, token, lua, &args, |found| match found {
+        let args: [&[u8]; 3] = [&tok, keys.id.as_bytes(), &released];
+        self.fenced(&keys, lua, &args, |found| match found {
             // Gone: released, by this call or by expiry; the key is free either way.
             None => Some(Ok(())),
+            // A takeover's record, kept by this call.
+            Some(f) if f.released_by(token) => Some(Ok(())),
             Some(f) if f.held_by(token) && !f.completed() => None,
             Some(_) => Some(Err(fenced())),
         })
@@ -781,7 +905,7 @@ impl IdempotencyStore for RedisStore {
 
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         let key = self.key(id);
-        match self.read(&key, &[]).await {
+        match self.read(&key).await {
             Ok(found) => Ok(found.map(|f| f.record)),
             Err(e) => Err(e.into_error()),
         }

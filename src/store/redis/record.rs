@@ -5,7 +5,7 @@
 //! | 0 | format: `2`, or `3` for a record counted against a scope's quota |
 //! | 1 | state: `p` in progress, `c` completed |
 //! | 2..34 | fingerprint, 32 raw bytes |
-//! | 34..50 | nonce of the current claim, 16 raw bytes |
+//! | 34..50 | nonce of the current claim, 16 raw bytes (a released takeover's: its released token's, see `release.lua`) |
 //! | 50..66 | generation, 16 decimal digits |
 //! | 66..82 | lease deadline, ms since the Unix epoch by Redis `TIME`, 16 decimal digits |
 //! | 82..146 | format `3` only: the scope id, 64 lowercase hex digits |
@@ -57,18 +57,23 @@ pub(super) fn token_bytes(token: &Token) -> Option<Vec<u8>> {
     Some(v)
 }
 
-/// A record as read, and whether the nonce asked about holds it.
+/// A record as read, with the nonce it holds.
 #[derive(Debug)]
 pub(super) struct Found {
     pub(super) record: Record,
-    /// The nonce asked about holds the record.
-    pub(super) mine: bool,
+    pub(super) nonce: [u8; 16],
 }
 
 impl Found {
     /// Held by `token`: the generation matches and the nonce is `token`'s.
     pub(super) fn held_by(&self, token: &Token) -> bool {
-        self.mine && self.record.generation == token.generation()
+        self.nonce == *token.nonce() && self.record.generation == token.generation()
+    }
+
+    /// Kept after `token` released it (a takeover's release): it holds `token`'s released
+    /// token.
+    pub(super) fn released_by(&self, token: &Token) -> bool {
+        !self.completed() && self.held_by(&token.released())
     }
 
     pub(super) fn completed(&self) -> bool {
@@ -84,8 +89,8 @@ fn digits(b: &[u8]) -> Option<u64> {
 }
 
 /// Decodes a stored record. `now_ms` (Redis `TIME`) turns the lease deadline into the lease
-/// left; `nonce` is the one to recognise (empty for none).
-pub(super) fn decode(value: Bytes, now_ms: u64, nonce: &[u8]) -> Result<Found, StoreError> {
+/// left.
+pub(super) fn decode(value: Bytes, now_ms: u64) -> Result<Found, StoreError> {
     let header = match value.first() {
         Some(&PLAIN) => HEADER,
         Some(&SCOPED) => SCOPED_HEADER,
@@ -96,7 +101,7 @@ pub(super) fn decode(value: Bytes, now_ms: u64, nonce: &[u8]) -> Result<Found, S
     }
     let fingerprint: [u8; 32] = value[2..34].try_into().expect("32 bytes");
     let generation = digits(&value[50..66]).ok_or_else(|| corrupt("generation is not digits"))?;
-    let mine = &value[34..50] == nonce;
+    let nonce: [u8; 16] = value[34..50].try_into().expect("16 bytes");
     let state = match value[1] {
         b'p' if value.len() == header => {
             let deadline =
@@ -113,12 +118,9 @@ pub(super) fn decode(value: Bytes, now_ms: u64, nonce: &[u8]) -> Result<Found, S
         _ => return Err(corrupt("unknown record state")),
     };
     Ok(Found {
-        record: Record {
-            fingerprint: Fingerprint::from_bytes(fingerprint),
-            generation,
-            state,
-        },
-        mine,
+        record: Record::new(Fingerprint::from_bytes(fingerprint), generation, state)
+            .with_holder(Token::from_parts(generation, nonce)),
+        nonce,
     })
 }
 
@@ -164,8 +166,8 @@ mod tests {
     fn records_decode_with_their_lease_and_owner() {
         let v = in_progress(10_500);
         assert_eq!(v.len(), HEADER);
-        let found = decode(Bytes::from(v), 9_000, &[9; 16]).unwrap();
-        assert!(found.mine);
+        let found = decode(Bytes::from(v), 9_000).unwrap();
+        assert_eq!(found.nonce, [9; 16]);
         assert_eq!(found.record.generation, 1);
         assert_eq!(found.record.fingerprint, Fingerprint::from_bytes([7; 32]));
         assert_eq!(
@@ -176,16 +178,29 @@ mod tests {
         );
         let token = Token::from_parts(1, [9; 16]);
         assert!(found.held_by(&token));
+        assert!(!found.released_by(&token));
         assert_eq!(token_bytes(&token).unwrap(), in_progress(0)[34..66]);
         // A lapsed lease is zero left, and another nonce is not the owner.
-        let other = decode(Bytes::from(in_progress(1)), 9_000, &[1; 16]).unwrap();
-        assert!(!other.mine);
+        let other = decode(Bytes::from(in_progress(1)), 9_000).unwrap();
+        assert!(!other.held_by(&Token::from_parts(1, [1; 16])));
         assert_eq!(
             other.record.state,
             RecordState::InProgress {
                 lease_remaining: Duration::ZERO
             }
         );
+    }
+
+    #[test]
+    fn a_record_kept_by_a_release_is_recognised_by_the_token_that_released_it() {
+        let token = Token::from_parts(1, [3; 16]);
+        let released = token.released();
+        let mut v = new_record(PLAIN, &Fingerprint::from_bytes([7; 32]), released.nonce());
+        v.extend_from_slice(b"0000000000009000");
+        let found = decode(Bytes::from(v), 9_000).unwrap();
+        assert!(found.released_by(&token));
+        assert!(!found.held_by(&token), "its token is fenced");
+        assert!(!found.released_by(&Token::from_parts(1, [4; 16])));
     }
 
     #[test]
@@ -196,10 +211,10 @@ mod tests {
         let mut v = in_progress(0);
         v[1] = b'c';
         v.extend_from_slice(&done.encode());
-        let found = decode(Bytes::from(v.clone()), 0, &[]).unwrap();
+        let found = decode(Bytes::from(v.clone()), 0).unwrap();
         assert_eq!(found.record.state, RecordState::Completed(done));
 
-        let kind = |v: Vec<u8>| decode(Bytes::from(v), 0, &[]).unwrap_err().kind();
+        let kind = |v: Vec<u8>| decode(Bytes::from(v), 0).unwrap_err().kind();
         let mut junk = v.clone();
         junk.truncate(HEADER);
         junk.extend_from_slice(b"\x09junk");

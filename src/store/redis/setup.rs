@@ -9,14 +9,18 @@ use std::time::Duration;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
 use redis::cluster::{ClusterClient, ClusterClientBuilder};
 use redis::cluster_async::ClusterConnection;
+use redis::sentinel::Sentinel;
 use redis::{RedisError, Value};
 
 use super::connection::{as_string, primary_of, RedisConnection};
+use super::follow::{Link, Resolver};
 use super::scripts::Scripts;
 use super::{Inner, Quotas, RedisStore, DEFAULT_KEY_PREFIX, DEFAULT_TIMEOUT};
 
 /// Why a [`RedisStore`] could not be built. The text names the cause and what to do.
-#[derive(Debug)]
+///
+/// `Debug` prints the same text as `Display`, so that an error returned from `main` shows
+/// the fix, not the variant's fields. Match on the variants to tell them apart.
 #[non_exhaustive]
 pub enum SetupError {
     /// Connecting, or a command the setup needs, failed.
@@ -35,6 +39,37 @@ pub enum SetupError {
     },
     /// The key prefix contains `{` or `}`, which would change the cluster hash tag.
     KeyPrefix(String),
+    /// A `redis+sentinel://` URL that does not parse.
+    SentinelUrl {
+        /// The URL as given.
+        url: String,
+        /// What is wrong with it.
+        problem: String,
+    },
+    /// Sentinels answered, but none monitors a primary of this name.
+    UnknownMaster {
+        /// The name asked for.
+        master: String,
+        /// The Sentinels that answered (`host:port`).
+        sentinels: Vec<String>,
+    },
+    /// No Sentinel answered.
+    NoSentinel {
+        /// The Sentinels tried (`host:port`).
+        sentinels: Vec<String>,
+        /// The last error met.
+        cause: RedisError,
+    },
+    /// [`with_wait`](RedisStoreBuilder::with_wait) asks for more replicas than the primary
+    /// has connected: every winning claim would fail `WAIT`.
+    TooFewReplicas {
+        /// The node (`host:port`) on a cluster; `None` on a single connection.
+        node: Option<String>,
+        /// Replicas connected to it now.
+        connected: u64,
+        /// Replicas `WAIT` asks for.
+        wanted: u32,
+    },
 }
 
 impl fmt::Display for SetupError {
@@ -70,7 +105,47 @@ impl fmt::Display for SetupError {
                 "idempotency key prefix {p:?} contains a brace; braces would change the Redis \
                  Cluster hash tag"
             ),
+            SetupError::SentinelUrl { url, problem } => write!(
+                f,
+                "malformed Redis Sentinel URL {url:?}: {problem}; write it as \
+                 redis+sentinel://host:port[,host:port...]/<master-name>, listing the \
+                 Sentinels (not the Redis nodes) and the name of their `sentinel monitor` line"
+            ),
+            SetupError::UnknownMaster { master, sentinels } => write!(
+                f,
+                "no Redis Sentinel at {} monitors a primary named {master:?}; check the name \
+                 against `redis-cli -p <sentinel port> SENTINEL MASTERS` (the first field of \
+                 each Sentinel's `sentinel monitor` line)",
+                sentinels.join(", ")
+            ),
+            SetupError::NoSentinel { sentinels, cause } => write!(
+                f,
+                "no Redis Sentinel answered at {} ({}); check that they run and that the URL \
+                 lists the Sentinels' addresses (their default port is 26379), not the Redis \
+                 nodes'",
+                sentinels.join(", "),
+                crate::store::error_chain(cause)
+            ),
+            SetupError::TooFewReplicas {
+                node,
+                connected,
+                wanted,
+            } => write!(
+                f,
+                "the Redis primary{} has {connected} connected replica(s), but with_wait asks \
+                 WAIT for {wanted}: every winning claim would fail with 503 until enough \
+                 replicas are attached; attach them, lower the count (the shop: \
+                 IDEMPOTENCY_REDIS_WAIT=<replicas>:<timeout_ms>), or skip this check with \
+                 RedisStoreBuilder::with_replica_check(false)",
+                on(node)
+            ),
         }
+    }
+}
+
+impl fmt::Debug for SetupError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
     }
 }
 
@@ -91,6 +166,8 @@ pub struct RedisStoreBuilder {
     eviction_guard: bool,
     timeout: Duration,
     quotas: Quotas,
+    replica_check: bool,
+    failover_events: bool,
 }
 
 impl Default for RedisStoreBuilder {
@@ -101,6 +178,8 @@ impl Default for RedisStoreBuilder {
             eviction_guard: true,
             timeout: DEFAULT_TIMEOUT,
             quotas: Quotas::default(),
+            replica_check: true,
+            failover_events: true,
         }
     }
 }
@@ -122,6 +201,34 @@ impl RedisStoreBuilder {
     #[must_use]
     pub fn with_wait(mut self, replicas: NonZeroU32, timeout: Duration) -> Self {
         self.wait = Some((replicas, timeout.max(Duration::from_millis(1))));
+        self
+    }
+
+    /// Whether building the store with [`with_wait`](Self::with_wait) checks that the primary
+    /// (each primary, on a cluster) has at least as many replicas connected as `WAIT` asks
+    /// for (default `true`). Fewer is a [`SetupError::TooFewReplicas`]: otherwise every
+    /// winning claim would fail `WAIT` and be answered 503. Turn it off to start while a
+    /// replica is known to be on its way.
+    #[must_use]
+    pub fn with_replica_check(mut self, enabled: bool) -> Self {
+        self.replica_check = enabled;
+        self
+    }
+
+    /// Whether a store on Sentinel ([`connect_sentinel`](Self::connect_sentinel)) listens to
+    /// the Sentinels' failover events (default `true`). From the first sign of a failover of
+    /// its primary (`+try-failover` and the steps after it) until it is connected to the new
+    /// primary (`+switch-master`), or the failover is aborted, or 30 s passed, it refuses
+    /// every claim (a replay too: the claim answers it), complete, renewal and release
+    /// ([`StoreErrorKind::Unavailable`](crate::store::StoreErrorKind::Unavailable)
+    /// with a [`FailoverUnderway`](super::FailoverUnderway) source: the layer answers 503),
+    /// and a write answered after the failover began is reported
+    /// [`Unknown`](crate::store::StoreErrorKind::Unknown), never acknowledged: the old
+    /// primary may be about to be demoted, and lose it. Off, the store learns of a failover
+    /// only when its primary refuses a write or drops the connection.
+    #[must_use]
+    pub fn with_failover_events(mut self, enabled: bool) -> Self {
+        self.failover_events = enabled;
         self
     }
 
@@ -184,9 +291,133 @@ impl RedisStoreBuilder {
     /// For a private CA or a client certificate, use
     /// [`connect_with_tls`](Self::connect_with_tls). Without the feature a `rediss://` URL
     /// is refused.
+    ///
+    /// A `redis+sentinel://host:port[,host:port...]/<master-name>` URL lists Sentinels
+    /// instead: see [`connect_sentinel`](Self::connect_sentinel).
+    ///
+    /// A node that stops being the primary without closing the connection (demoted behind
+    /// a proxy or a DNS name that now points elsewhere) answers writes `READONLY`: that call
+    /// fails, and the store reconnects to the URL, so it never stays on a demoted node.
     pub async fn connect(self, url: &str) -> Result<RedisStore, SetupError> {
+        if url.starts_with(SENTINEL_SCHEME) {
+            let (sentinels, master) = parse_sentinel_url(url)?;
+            return self.connect_sentinel(sentinels, &master).await;
+        }
         let client = redis::Client::open(url)?;
         self.connect_client(client).await
+    }
+
+    /// Asks the Sentinels (`host:port`, or `redis://host:port`; any subset of them) for the
+    /// primary named `master`, connects to it, checks it and loads the scripts, like
+    /// [`connect`](Self::connect).
+    ///
+    /// The store then follows failovers by itself: when the primary answers `READONLY` or
+    /// the connection to it is lost, it asks the Sentinels again and reconnects to the
+    /// primary they name (scripts are loaded there; `NOSCRIPT` is handled in any case).
+    /// The Redis nodes are reached without a password or TLS, on database 0.
+    ///
+    /// A Sentinel list where none answers is a [`SetupError::NoSentinel`], a name none of
+    /// them monitors a [`SetupError::UnknownMaster`]; each names the fix.
+    pub async fn connect_sentinel<I, S>(
+        self,
+        sentinels: I,
+        master: &str,
+    ) -> Result<RedisStore, SetupError>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        let urls: Vec<String> = sentinels
+            .into_iter()
+            .map(|s| {
+                let s = s.as_ref();
+                if s.contains("://") {
+                    s.to_owned()
+                } else {
+                    format!("redis://{s}")
+                }
+            })
+            .collect();
+        let addrs: Vec<String> = urls
+            .iter()
+            .map(|u| u.split_once("://").map_or(u.as_str(), |(_, a)| a))
+            .map(|a| a.trim_end_matches('/').to_owned())
+            .collect();
+        if urls.is_empty() || master.is_empty() {
+            return Err(SetupError::SentinelUrl {
+                url: format!("{SENTINEL_SCHEME}{}/{master}", addrs.join(",")),
+                problem: "it needs at least one Sentinel and a master name".to_owned(),
+            });
+        }
+        self.probe_sentinels(&urls, &addrs, master).await?;
+        let sentinel = Sentinel::build(urls.clone())?;
+        let sentinel = tokio::sync::Mutex::new(sentinel);
+        let client = {
+            let mut s = sentinel.lock().await;
+            // Sentinel, then the named node (its role is checked): two steps.
+            tokio::time::timeout(2 * self.timeout, s.async_master_for(master, None))
+                .await
+                .map_err(|_| timed_out(2 * self.timeout))??
+        };
+        let resolver = Resolver::Sentinel {
+            sentinel: Box::new(sentinel),
+            master: master.to_owned(),
+        };
+        let (events, timeout) = (self.failover_events, self.timeout);
+        let store = self.connect_resolved(client, resolver).await?;
+        if events {
+            // Subscribed before the store is handed out, so no failover starts unheard.
+            let n = super::events::watch(&store.inner.link, &urls, master, timeout).await;
+            if n == 0 {
+                tracing::warn!("no Sentinel took the subscription to failover events; the store learns of a failover when its primary refuses a write");
+            }
+        }
+        Ok(store)
+    }
+
+    /// Asks each Sentinel, within the timeout, whether it monitors `master`, so that setup
+    /// can say which of the two went wrong: no Sentinel answered, or none knows the name.
+    async fn probe_sentinels(
+        &self,
+        urls: &[String],
+        addrs: &[String],
+        master: &str,
+    ) -> Result<(), SetupError> {
+        let probe = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(self.timeout))
+            .set_response_timeout(Some(self.timeout));
+        let mut answered = Vec::new();
+        let mut cause = None;
+        for (url, addr) in urls.iter().zip(addrs) {
+            let ask = async {
+                let client = redis::Client::open(url.as_str())?;
+                let mut conn = client
+                    .get_multiplexed_async_connection_with_config(&probe)
+                    .await?;
+                redis::cmd("SENTINEL")
+                    .arg("get-master-addr-by-name")
+                    .arg(master)
+                    .query_async::<Value>(&mut conn)
+                    .await
+            };
+            // Connect and one command: two steps.
+            match tokio::time::timeout(2 * self.timeout, ask).await {
+                Ok(Ok(Value::Array(a))) if !a.is_empty() => return Ok(()),
+                Ok(Ok(_)) => answered.push(addr.clone()),
+                Ok(Err(e)) => cause = Some(e),
+                Err(_) => cause = Some(timed_out(2 * self.timeout)),
+            }
+        }
+        if answered.is_empty() {
+            return Err(SetupError::NoSentinel {
+                sentinels: addrs.to_vec(),
+                cause: cause.unwrap_or_else(|| timed_out(self.timeout)),
+            });
+        }
+        Err(SetupError::UnknownMaster {
+            master: master.to_owned(),
+            sentinels: answered,
+        })
     }
 
     /// Like [`connect`](Self::connect) for a `rediss://` URL, trusting the PEM root
@@ -204,6 +435,14 @@ impl RedisStoreBuilder {
     }
 
     async fn connect_client(self, client: redis::Client) -> Result<RedisStore, SetupError> {
+        self.connect_resolved(client, Resolver::Url).await
+    }
+
+    async fn connect_resolved(
+        self,
+        client: redis::Client,
+        resolver: Resolver,
+    ) -> Result<RedisStore, SetupError> {
         // One plain attempt first, bounded by the timeout: its error is the real cause (the
         // connection manager would retry with backoff for seconds, then report less).
         let probe = redis::AsyncConnectionConfig::new()
@@ -214,24 +453,23 @@ impl RedisStoreBuilder {
                 .get_multiplexed_async_connection_with_config(&probe)
                 .await?,
         );
-        let config = ConnectionManagerConfig::new()
-            .set_response_timeout(Some(self.response_timeout()))
-            .set_connection_timeout(Some(self.timeout))
-            // Reconnect attempts back off to at most 1 s, so a restarted Redis is found soon.
-            .set_max_delay(Duration::from_secs(1));
+        let config = self.manager_config();
         let conn = tokio::time::timeout(
             self.timeout,
             ConnectionManager::new_with_config(client.clone(), config),
         )
         .await
-        .map_err(|_| {
-            RedisError::from(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                format!("no connection within {:?}", self.timeout),
-            ))
-        })??;
-        self.build_with(conn.into(), Some(Source::Single(client)))
+        .map_err(|_| timed_out(self.timeout))??;
+        self.build_with(conn.into(), Origin::Single { client, resolver })
             .await
+    }
+
+    fn manager_config(&self) -> ConnectionManagerConfig {
+        ConnectionManagerConfig::new()
+            .set_response_timeout(Some(self.response_timeout()))
+            .set_connection_timeout(Some(self.timeout))
+            // Reconnect attempts back off to at most 1 s, so a restarted Redis is found soon.
+            .set_max_delay(Duration::from_secs(1))
     }
 
     /// Connects to the Redis Cluster that `nodes` belong to (any subset of its nodes, as
@@ -247,8 +485,7 @@ impl RedisStoreBuilder {
             .connection_timeout(self.timeout)
             .build()?;
         let conn = client.get_async_connection().await?;
-        self.build_with(conn.into(), Some(Source::Cluster(client)))
-            .await
+        self.build_with(conn.into(), Origin::Cluster(client)).await
     }
 
     /// Builds the store on an existing connection: checks the eviction policy (unless turned
@@ -259,13 +496,13 @@ impl RedisStoreBuilder {
     /// [`connect`](Self::connect) or [`connect_cluster`](Self::connect_cluster), which send
     /// each write and its `WAIT` on a connection of their own.
     pub async fn build(self, conn: impl Into<RedisConnection>) -> Result<RedisStore, SetupError> {
-        self.build_with(conn.into(), None).await
+        self.build_with(conn.into(), Origin::User).await
     }
 
     async fn build_with(
         self,
         conn: RedisConnection,
-        source: Option<Source>,
+        origin: Origin,
     ) -> Result<RedisStore, SetupError> {
         if self.prefix.contains(['{', '}']) {
             return Err(SetupError::KeyPrefix(self.prefix));
@@ -279,9 +516,37 @@ impl RedisStoreBuilder {
         for script in scripts.all() {
             conn.load_everywhere(script.code).await?;
         }
+        if let (Some((wanted, _)), true) = (self.wait, self.replica_check) {
+            check_replicas(&conn, wanted.get()).await?;
+        }
+        let codes = scripts.all().iter().map(|s| s.code).collect();
+        let config = self.manager_config();
+        let (link, source) = match origin {
+            Origin::User => (
+                Link::new(conn, None, None, self.timeout, config, codes),
+                None,
+            ),
+            Origin::Single { client, resolver } => {
+                let link = Link::new(
+                    conn,
+                    Some(client),
+                    Some(resolver),
+                    self.timeout,
+                    config,
+                    codes,
+                );
+                (link, Some(Source::Single))
+            }
+            Origin::Cluster(client) => (
+                Link::new(conn, None, None, self.timeout, config, codes),
+                Some(Source::Cluster(client)),
+            ),
+        };
+        let link = Arc::new(link);
         let dedicated = match (self.wait, source) {
             (Some(_), Some(source)) => Some(Dedicated {
                 source,
+                link: Arc::clone(&link),
                 timeout: self.timeout,
                 response_timeout: self.response_timeout(),
                 idle: std::sync::Mutex::new(Vec::new()),
@@ -290,7 +555,7 @@ impl RedisStoreBuilder {
         };
         Ok(RedisStore {
             inner: Arc::new(Inner {
-                conn,
+                link,
                 dedicated,
                 prefix: self.prefix,
                 wait: self.wait,
@@ -335,6 +600,116 @@ async fn check_eviction_policy(conn: &RedisConnection) -> Result<(), SetupError>
     Ok(())
 }
 
+/// With `WAIT n`, every primary must have `n` replicas connected, or each winning claim
+/// fails: say so now rather than as 503s.
+async fn check_replicas(conn: &RedisConnection, wanted: u32) -> Result<(), SetupError> {
+    let mut info = redis::cmd("INFO");
+    info.arg("replication");
+    for (node, reply) in conn.on_all(&info).await? {
+        let Some(text) = as_string(&reply) else {
+            // INFO refused (renamed, ACL): the check cannot be made; WAIT will tell.
+            tracing::warn!(
+                ?node,
+                "INFO replication refused; the replica check is skipped"
+            );
+            continue;
+        };
+        let field = |name: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name))
+                .map(str::trim)
+        };
+        if field("role:") != Some("master") {
+            continue;
+        }
+        let connected = field("connected_slaves:")
+            .and_then(|n| n.parse::<u64>().ok())
+            .unwrap_or(0);
+        if connected < u64::from(wanted) {
+            return Err(SetupError::TooFewReplicas {
+                node,
+                connected,
+                wanted,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The scheme of a URL that lists Sentinels.
+pub(super) const SENTINEL_SCHEME: &str = "redis+sentinel://";
+
+/// The default port of a Sentinel.
+const SENTINEL_PORT: u16 = 26379;
+
+/// `redis+sentinel://host:port[,host:port...]/<master-name>`: the Sentinels as
+/// `redis://host:port` URLs, and the master name.
+fn parse_sentinel_url(url: &str) -> Result<(Vec<String>, String), SetupError> {
+    let bad = |problem: &str| SetupError::SentinelUrl {
+        url: url.to_owned(),
+        problem: problem.to_owned(),
+    };
+    let rest = url
+        .strip_prefix(SENTINEL_SCHEME)
+        .ok_or_else(|| bad("it does not start with redis+sentinel://"))?;
+    let (hosts, master) = rest
+        .split_once('/')
+        .ok_or_else(|| bad("the master name is missing after the hosts (/<master-name>)"))?;
+    if hosts.contains('@') {
+        return Err(bad(
+            "credentials in the URL are not supported; the Sentinels and nodes are reached \
+             without a password",
+        ));
+    }
+    let master = master.trim_end_matches('/');
+    if master.is_empty() {
+        return Err(bad("the master name after the hosts is empty"));
+    }
+    if master.contains(['/', '?', '#']) {
+        return Err(bad(
+            "the master name must be one path segment, without a query",
+        ));
+    }
+    let mut sentinels = Vec::new();
+    for host in hosts.split(',') {
+        let (name, port) = match host.rsplit_once(':') {
+            Some((name, port)) if !name.ends_with(']') || host.starts_with('[') => {
+                let port = port
+                    .parse::<u16>()
+                    .ok()
+                    .filter(|&p| p > 0)
+                    .ok_or_else(|| bad(&format!("{host:?} has no valid port")))?;
+                (name, port)
+            }
+            _ => (host, SENTINEL_PORT),
+        };
+        if name.is_empty() || name == "[]" {
+            return Err(bad("a host is empty (two commas, or a comma at an end?)"));
+        }
+        sentinels.push(format!("redis://{name}:{port}"));
+    }
+    Ok((sentinels, master.to_owned()))
+}
+
+fn timed_out(limit: Duration) -> RedisError {
+    RedisError::from(std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!("no answer within {limit:?}"),
+    ))
+}
+
+/// Where the store's connection came from.
+enum Origin {
+    /// Built by the user: used as it is.
+    User,
+    /// Made from a client, to one node found by URL or by Sentinel.
+    Single {
+        client: redis::Client,
+        resolver: Resolver,
+    },
+    Cluster(ClusterClient),
+}
+
 /// `CONFIG GET maxmemory-policy` answers `[name, value]` (RESP2) or `{name: value}` (RESP3).
 fn policy_from_config(v: &Value) -> Option<String> {
     match v {
@@ -354,7 +729,8 @@ fn policy_from_info(v: &Value) -> Option<String> {
 /// Where dedicated connections come from. Built once per store: its size does not matter.
 #[allow(clippy::large_enum_variant)]
 pub(super) enum Source {
-    Single(redis::Client),
+    /// The node the store's link points at now.
+    Single,
     Cluster(ClusterClient),
 }
 
@@ -376,38 +752,51 @@ const DEDICATED_IDLE: usize = 8;
 /// are opened on demand (a burst opens more) and at most [`DEDICATED_IDLE`] are kept idle.
 pub(super) struct Dedicated {
     source: Source,
+    link: Arc<Link>,
     timeout: Duration,
     response_timeout: Duration,
-    idle: std::sync::Mutex<Vec<DedicatedConn>>,
+    /// Idle connections, each with the link's epoch it was opened in: one from before the
+    /// primary moved is dropped, not reused.
+    idle: std::sync::Mutex<Vec<(u64, DedicatedConn)>>,
 }
 
 impl Dedicated {
-    pub(super) async fn take(&self) -> Result<DedicatedConn, RedisError> {
-        let idle = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
-        if let Some(conn) = idle {
-            return Ok(conn);
+    /// A connection, and the link's epoch it belongs to.
+    pub(super) async fn take(&self) -> Result<(u64, DedicatedConn), RedisError> {
+        let (epoch, client) = self.link.client();
+        {
+            let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+            idle.retain(|(e, _)| *e == epoch);
+            if let Some(conn) = idle.pop() {
+                return Ok(conn);
+            }
         }
         match &self.source {
-            Source::Single(client) => {
+            Source::Single => {
+                let client = client.ok_or_else(|| timed_out(self.timeout))?;
                 let config = redis::AsyncConnectionConfig::new()
                     .set_connection_timeout(Some(self.timeout))
                     .set_response_timeout(Some(self.response_timeout));
                 let conn = client
                     .get_multiplexed_async_connection_with_config(&config)
                     .await?;
-                Ok(DedicatedConn::Single(conn))
+                Ok((epoch, DedicatedConn::Single(conn)))
             }
-            Source::Cluster(client) => {
-                Ok(DedicatedConn::Cluster(client.get_async_connection().await?))
-            }
+            Source::Cluster(client) => Ok((
+                epoch,
+                DedicatedConn::Cluster(client.get_async_connection().await?),
+            )),
         }
     }
 
     /// Returns a connection whose last call ended cleanly.
-    pub(super) fn give(&self, conn: DedicatedConn) {
+    pub(super) fn give(&self, epoch: u64, conn: DedicatedConn) {
+        if epoch != self.link.epoch() {
+            return;
+        }
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         if idle.len() < DEDICATED_IDLE {
-            idle.push(conn);
+            idle.push((epoch, conn));
         }
     }
 }
@@ -470,5 +859,42 @@ mod tests {
             msg.contains("CONFIG SET maxmemory-policy noeviction"),
             "{msg}"
         );
+    }
+
+    #[test]
+    fn setup_errors_debug_print_their_text_so_main_shows_the_fix() {
+        let node = || Some("10.0.0.7:6379".to_owned());
+        let cases = [
+            (
+                SetupError::EvictionPolicy {
+                    node: node(),
+                    policy: "allkeys-lru".to_owned(),
+                },
+                "fix it with `CONFIG SET maxmemory-policy noeviction`",
+            ),
+            (
+                SetupError::PolicyUnknown { node: node() },
+                "make sure it is noeviction",
+            ),
+            (
+                SetupError::KeyPrefix("a{b}:".to_owned()),
+                "contains a brace",
+            ),
+            (
+                SetupError::Redis(RedisError::from((
+                    redis::ErrorKind::AuthenticationFailed,
+                    "WRONGPASS",
+                ))),
+                "WRONGPASS",
+            ),
+        ];
+        for (err, fix) in cases {
+            let debug = format!("{err:?}");
+            assert!(debug.contains(fix), "{debug}");
+            assert_eq!(debug, err.to_string());
+            // What `fn main() -> Result<(), Box<dyn Error>>` prints after "Error: ".
+            let boxed: Box<dyn StdError> = Box::new(err);
+            assert_eq!(format!("{boxed:?}"), debug);
+        }
     }
 }

@@ -1,5 +1,5 @@
 -- The live record, if any. $1 id.
-SELECT r.generation, r.fingerprint, r.state,
+SELECT r.generation, r.nonce, r.fingerprint, r.state,
        CASE WHEN r.state = 0
             THEN GREATEST(0, EXTRACT(EPOCH FROM (r.locked_until - statement_timestamp()))
                              * 1000000)::bigint

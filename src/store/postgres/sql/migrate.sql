@@ -3,6 +3,9 @@
 -- once take turns. Every step checks the catalog first, so a table that is already up to
 -- date takes no table lock at all (`ALTER TABLE` and `CREATE INDEX` would, even when they
 -- change nothing).
+-- `IF NOT EXISTS` reports an existing object as a NOTICE, which the driver logs at INFO on
+-- every start; keep warnings. LOCAL: the pooled connection gets its setting back at the end.
+SET LOCAL client_min_messages = warning;
 SELECT pg_advisory_xact_lock({lock_key});
 
 CREATE TABLE IF NOT EXISTS {table} (

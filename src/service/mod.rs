@@ -1,0 +1,843 @@
+//! [`Idempotency`]: the service, and the request flow read top to bottom (call, key, body,
+//! fingerprint, claim, run, settle, answer). The machinery beside it has files of its own:
+//! body buffering (`buffer.rs`), a claim in flight (`claim.rs`), the claim's renewals,
+//! record and release (`calls.rs`), deadlines and the lease (`deadline.rs`), wait mode
+//! (`wait.rs`) and the response future (`future.rs`).
+
+use std::any::Any;
+use std::fmt;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::FutureExt;
+use http::{request, HeaderMap, Method, Request, Response};
+use http_body::Body;
+use tokio::time::Instant;
+use tower_service::Service;
+use tracing::Instrument;
+
+use crate::body::{Ended, RequestBody, ResponseBody, StreamEnd};
+use crate::config::{Config, Scope};
+use crate::context::IdempotencyContext;
+use crate::error::{ErrorKind, IdempotencyError};
+use crate::fingerprint::fingerprint;
+use crate::grpc::Grpc;
+use crate::key::Refusal;
+use crate::metrics::{timed, Event, Labels, Outcome};
+use crate::policy::{decide, is_grpc, RecordDecision, ResponseInfo};
+use crate::record::{Completion, Fingerprint, RecordId, RecordState, ScopeId, Token};
+use crate::response;
+use crate::store::{Claim, ClaimOutcome, ClaimRequest, StoreError, StoreErrorKind};
+
+mod buffer;
+mod calls;
+mod claim;
+mod deadline;
+mod future;
+mod wait;
+
+use buffer::{buffer_body, content_length, BodyError, Work};
+use claim::PendingClaim;
+use deadline::{deadline, within, Lease};
+use future::Detachable;
+pub use future::ResponseFuture;
+pub(crate) use wait::Waiters;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+type Panic = Box<dyn Any + Send + 'static>;
+
+/// `Retry-After` for a 503: the store is expected back within a second or two.
+const STORE_RETRY_AFTER: Duration = Duration::from_secs(1);
+/// The [`IdempotencyLayer`](crate::IdempotencyLayer) service.
+pub struct Idempotency<S> {
+    inner: S,
+    config: Arc<Config>,
+    waiters: Arc<Waiters>,
+}
+
+impl<S: Clone> Clone for Idempotency<S> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            config: self.config.clone(),
+            waiters: self.waiters.clone(),
+        }
+    }
+}
+
+impl<S: fmt::Debug> fmt::Debug for Idempotency<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Idempotency")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S> Idempotency<S> {
+    pub(crate) fn new(inner: S, config: Arc<Config>, waiters: Arc<Waiters>) -> Self {
+        Self {
+            inner,
+            config,
+            waiters,
+        }
+    }
+
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The inner service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Unwraps the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S, ReqB, ResB> Service<Request<ReqB>> for Idempotency<S>
+where
+    S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqB: Body<Data = Bytes> + Send + 'static,
+    ReqB::Error: Into<BoxError>,
+    ResB: Body<Data = Bytes> + Send + 'static,
+    ResB::Error: Send + 'static,
+{
+    type Response = Response<ResponseBody<ResB>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Future, ResB, S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<ReqB>) -> Self::Future {
+        let cfg = &self.config;
+        // 1. Eligible? Anything else passes through: no buffering, no store call, no boxing.
+        // gRPC handling is the configuration's choice, never the client's alone.
+        // gRPC calls are POSTs: other methods skip the header lookup.
+        // A path outside the configured gRPC methods is an HTTP route whatever the client's
+        // `Content-Type` claims: a client must not lift it out of protection.
+        let grpc_config = (req.method() == Method::POST && is_grpc(req.headers()))
+            .then(|| grpc_mode(cfg))
+            .flatten()
+            .filter(|g| g.route(req.uri().path()));
+        let grpc = grpc_config.is_some();
+        let eligible = if let Some(g) = grpc_config {
+            g.protected(req.uri().path())
+        } else {
+            cfg.methods.contains(req.method())
+        };
+        if !eligible {
+            return ResponseFuture::passthrough(self.inner.call(req.map(RequestBody::stream)));
+        }
+        let req = match &cfg.filter {
+            None => req,
+            Some(filter) => {
+                let (parts, body) = req.into_parts();
+                let selected = filter(&parts);
+                let req = Request::from_parts(parts, body);
+                if !selected {
+                    return ResponseFuture::passthrough(
+                        self.inner.call(req.map(RequestBody::stream)),
+                    );
+                }
+                req
+            }
+        };
+        let labels = Labels::new(cfg, req.extensions(), req.uri().path(), grpc);
+        // 2. Key. One from a header is checked here, so a request without it costs no
+        // buffering; one from the body is read from step 3's buffer.
+        let key = if cfg.key.reads_body() {
+            None
+        } else {
+            match cfg.key.read_head(req.headers(), grpc) {
+                Ok(key) => Some(Arc::from(key)),
+                Err(Refusal::Missing(_)) if cfg.key.is_optional() => {
+                    return ResponseFuture::passthrough(
+                        self.inner.call(req.map(RequestBody::stream)),
+                    )
+                }
+                Err(refusal) => {
+                    return ResponseFuture::ready(render(cfg, grpc, key_refused(&labels, refusal)))
+                }
+            }
+        };
+        // The inner service that was polled ready goes with this request; a clone stays.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let flow = Flow {
+            cfg: self.config.clone(),
+            waiters: self.waiters.clone(),
+            grpc,
+            labels,
+        };
+        ResponseFuture::flow(Box::pin(flow.run(inner, req, key)))
+    }
+}
+
+/// The 400 for a request without a usable key; the detail names where it was expected.
+fn key_refused(labels: &Labels, refusal: Refusal) -> IdempotencyError {
+    match refusal {
+        Refusal::Missing(detail) => {
+            labels.outcome(Outcome::KeyMissing);
+            IdempotencyError::new(ErrorKind::KeyMissing, detail)
+        }
+        Refusal::Invalid(detail) => {
+            labels.outcome(Outcome::KeyInvalid);
+            IdempotencyError::new(ErrorKind::KeyInvalid, detail)
+        }
+    }
+}
+
+/// How the layer serves gRPC, if it does; says once when a gRPC request meets a layer that
+/// does not.
+fn grpc_mode(cfg: &Config) -> Option<&Grpc> {
+    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if cfg.grpc.is_none() && !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        tracing::warn!("a gRPC request reached an idempotency layer without with_grpc(..); it is handled as HTTP");
+    }
+    cfg.grpc.as_ref()
+}
+
+/// Renders a layer-made error in the request's protocol. The user's renderer is for HTTP
+/// only: a gRPC client cannot read an HTTP 409 or 422.
+fn render<B: Body>(cfg: &Config, grpc: bool, err: IdempotencyError) -> Response<ResponseBody<B>> {
+    let rendered = match &cfg.renderer {
+        _ if grpc => response::grpc_status(&err),
+        Some(r) => r(&err),
+        None => response::problem(&err),
+    };
+    response::error_response(rendered, err)
+}
+
+type Answer<B, E> = Result<Response<ResponseBody<B>>, E>;
+/// What the detached task hands back to the response future: an answer, or a panic to resume.
+type Delivery<B, E> = Result<Answer<B, E>, Panic>;
+
+/// Displays an error with its whole source chain: "a: b: c".
+struct Chain<'a>(&'a (dyn std::error::Error + 'static));
+
+impl fmt::Display for Chain<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut source = self.0.source();
+        while let Some(e) = source {
+            write!(f, ": {e}")?;
+            source = e.source();
+        }
+        Ok(())
+    }
+}
+
+struct Flow {
+    cfg: Arc<Config>,
+    waiters: Arc<Waiters>,
+    grpc: bool,
+    labels: Labels,
+}
+
+impl Flow {
+    fn error<B: Body>(&self, err: IdempotencyError) -> Response<ResponseBody<B>> {
+        render(&self.cfg, self.grpc, err)
+    }
+
+    /// Steps 3 to 9 for one keyed request; `key` is `None` when it is read from the body.
+    async fn run<S, ReqB, ResB>(
+        self,
+        inner: S,
+        req: Request<ReqB>,
+        key: Option<Arc<str>>,
+    ) -> Answer<ResB, S::Error>
+    where
+        S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Send + 'static,
+        S::Future: Send + 'static,
+        S::Error: Send + 'static,
+        ReqB: Body<Data = Bytes> + Send + 'static,
+        ReqB::Error: Into<BoxError>,
+        ResB: Body<Data = Bytes> + Send + 'static,
+        ResB::Error: Send + 'static,
+    {
+        let (parts, body) = req.into_parts();
+        let scope: Option<Arc<str>> = match &self.cfg.scope {
+            Scope::Unscoped => None,
+            Scope::Unset => {
+                self.labels.outcome(Outcome::ScopeMissing);
+                tracing::error!("idempotency layer has no scope: call with_scope (or unscoped, to share one key space on purpose); keyed requests are refused");
+                let err = IdempotencyError::new(
+                    ErrorKind::ScopeMissing,
+                    "the request's idempotency scope could not be determined",
+                );
+                return Ok(self.error(err));
+            }
+            Scope::Fn(f) => match f(&parts) {
+                Some(s) => Some(s.into()),
+                None => {
+                    self.labels.outcome(Outcome::ScopeMissing);
+                    tracing::error!("idempotency scope function returned None: the idempotency layer runs before the layer that sets the scope. Put authentication outside it: with axum, call `.layer(auth)` after `.layer(idempotency)` (the last `.layer()` call is the outermost); with ServiceBuilder or tonic, list the auth layer first");
+                    let err = IdempotencyError::new(
+                        ErrorKind::ScopeMissing,
+                        "the request's idempotency scope could not be determined",
+                    );
+                    return Ok(self.error(err));
+                }
+            },
+        };
+
+        // 3. Body: Content-Length first, then the limit while reading.
+        let limit = match &self.cfg.grpc {
+            Some(g) if self.grpc => g.max_request_body,
+            _ => self.cfg.max_request_body,
+        };
+        let too_large = || {
+            IdempotencyError::new(
+                ErrorKind::BodyTooLarge,
+                format!("the request body is larger than {limit} bytes"),
+            )
+        };
+        let declared = content_length(&parts.headers);
+        if declared.is_some_and(|n| n > limit as u64) {
+            self.labels.outcome(Outcome::BodyTooLarge);
+            return Ok(self.error(too_large()));
+        }
+        let read = buffer_body(body, limit, declared.unwrap_or(0) as usize);
+        let body_deadline = deadline(Instant::now(), self.cfg.request_body_timeout);
+        let bytes = match within(body_deadline, read).await {
+            Ok(Ok(bytes)) => bytes,
+            Ok(Err(BodyError::TooLarge)) => {
+                self.labels.outcome(Outcome::BodyTooLarge);
+                return Ok(self.error(too_large()));
+            }
+            Ok(Err(BodyError::Failed(e))) => {
+                self.labels.outcome(Outcome::BodyUnreadable);
+                tracing::debug!(error = %e, "request body unreadable");
+                return Ok(self.error(IdempotencyError::new(
+                    ErrorKind::BodyUnreadable,
+                    "the request body could not be read",
+                )));
+            }
+            Err(_) => {
+                self.labels.outcome(Outcome::BodyTimeout);
+                return Ok(self.error(IdempotencyError::new(
+                    ErrorKind::BodyTimeout,
+                    "the request body did not arrive in time; nothing was processed",
+                )));
+            }
+        };
+
+        // 2, for a key in the body: read from the one buffer, within its limit and timeout.
+        let key = match key {
+            Some(key) => key,
+            None => match self.cfg.key.read_request(&parts, &bytes, self.grpc) {
+                Ok(key) => Arc::from(key),
+                Err(Refusal::Missing(_)) if self.cfg.key.is_optional() => {
+                    let mut inner = inner;
+                    let req = Request::from_parts(parts, RequestBody::buffered(bytes));
+                    return inner.call(req).await.map(|r| r.map(ResponseBody::stream));
+                }
+                Err(refusal) => return Ok(self.error(key_refused(&self.labels, refusal))),
+            },
+        };
+
+        // 4. Fingerprint. 5. Record id: the store never sees the raw key.
+        // The path the client sent: inside axum's nested routers `parts.uri` lost its prefix.
+        #[cfg(feature = "axum")]
+        let target = crate::axum::original_uri(&parts);
+        #[cfg(not(feature = "axum"))]
+        let target = &parts.uri;
+        let fp = fingerprint(&parts, target, &bytes, &self.cfg.fingerprint);
+        let scope_id = ScopeId::new(scope.as_deref());
+        let id = RecordId::in_scope(&scope_id, scope.as_deref(), &key);
+        let span = tracing::info_span!(
+            "idempotency",
+            record = %&id.to_hex()[..16],
+            outcome = tracing::field::Empty,
+            generation = tracing::field::Empty,
+        );
+
+        let keyed = Keyed {
+            flow: self,
+            key,
+            scope,
+            scope_id,
+            id,
+            fp,
+        };
+        // 6. Claim, inline: a replay or a conflict costs no task. A response future dropped
+        // mid-claim leaves the claim to `PendingClaim`, which releases it if it was won.
+        let (claim, sent) = match keyed.claim(&parts.headers).instrument(span.clone()).await {
+            Step::Answer(res) => return Ok(res),
+            Step::FailOpen => {
+                let mut inner = inner;
+                let req = Request::from_parts(parts, RequestBody::buffered(bytes));
+                return inner.call(req).await.map(|r| r.map(ResponseBody::stream));
+            }
+            Step::Claimed(claim, sent) => (claim, sent),
+        };
+        // 7-9 run here, inline, until the answer is out; what is left then (settling a
+        // released claim, a streamed answer's end) or when this future is dropped (client
+        // gone, a deadline) moves onto a task of its own: nothing can cancel the work between
+        // the claim and the record. Inline saves a spawn and a cross-thread wake per request.
+        let (tx, mut rx) = tokio::sync::oneshot::channel();
+        let mut work = Detachable::new(
+            async move {
+                let lease = Lease::new(sent, &keyed.flow.cfg.timing);
+                keyed.execute(inner, parts, bytes, claim, lease, tx).await;
+            }
+            .instrument(span),
+        );
+        // Work that ended has sent or dropped `tx`, so `rx` is ready then.
+        let delivered = std::future::poll_fn(|cx| {
+            work.poll_inline(cx);
+            Pin::new(&mut rx).poll(cx)
+        })
+        .await;
+        drop(work);
+        match delivered {
+            Ok(Ok(answer)) => answer,
+            Ok(Err(panic)) => std::panic::resume_unwind(panic),
+            // The task itself panicked outside the inner call: a bug in this crate.
+            Err(_) => panic!("tower-idempotency: the request task ended without an answer"),
+        }
+    }
+}
+
+/// What the claim step decided.
+#[allow(clippy::large_enum_variant)] // lives on the stack for one await
+enum Step<B: Body> {
+    /// Run the inner service under this claim, sent to the store at this instant.
+    Claimed(Claim, Instant),
+    /// Answer without running: a replay, a conflict, a mismatch, a store error.
+    Answer(Response<ResponseBody<B>>),
+    /// The store failed and the layer fails open: run unprotected.
+    FailOpen,
+}
+
+struct Keyed {
+    flow: Flow,
+    key: Arc<str>,
+    scope: Option<Arc<str>>,
+    scope_id: ScopeId,
+    id: RecordId,
+    fp: Fingerprint,
+}
+
+/// How a claim ends: the record's one rule of step 8, applied by `Keyed::finish`.
+// Lives on the stack for one await, as `Completion` does elsewhere: no box per record.
+#[allow(clippy::large_enum_variant)]
+enum Settlement {
+    /// Complete with this answer (or tombstone), then answer.
+    Record(Completion),
+    /// Release first, then answer, so a retry sent at once runs again.
+    Release,
+    /// The handler completed the record itself.
+    AlreadyRecorded,
+}
+
+impl Settlement {
+    /// The settlement `decision` calls for; `record` makes the answer to keep.
+    fn of(decision: RecordDecision, record: impl FnOnce() -> Completion) -> Self {
+        match decision {
+            RecordDecision::Record => Self::Record(record()),
+            RecordDecision::Release => Self::Release,
+            RecordDecision::AlreadyRecorded => Self::AlreadyRecorded,
+        }
+    }
+}
+
+fn outcome(name: Outcome) {
+    tracing::Span::current().record("outcome", name.as_str());
+}
+
+impl Keyed {
+    /// Adds the published TTL to a recorded answer or a replay, when configured.
+    fn publish_ttl(&self, headers: &mut HeaderMap) {
+        let cfg = &*self.flow.cfg;
+        if cfg.ttl_header {
+            let secs = cfg.timing.ttl().as_secs();
+            headers.insert(response::TTL_HEADER, http::HeaderValue::from(secs));
+        }
+    }
+
+    /// Names the request's outcome in its span and counts it.
+    fn outcome(&self, name: Outcome) {
+        outcome(name);
+        self.flow.labels.outcome(name);
+    }
+}
+
+impl Keyed {
+    async fn claim<B: Body>(&self, request: &HeaderMap) -> Step<B> {
+        let cfg = &*self.flow.cfg;
+        let (lease, ttl) = (cfg.timing.lease(), cfg.timing.ttl());
+        let timeout = cfg.timing.store_timeout();
+        let wait_until = cfg.in_progress.wait.map(|w| deadline(Instant::now(), w));
+        loop {
+            // The lease clock starts here: the store cannot have started it earlier.
+            let sent = Instant::now();
+            let pending = PendingClaim {
+                future: Some({
+                    let (store, id, fp, scope) =
+                        (cfg.store.clone(), self.id, self.fp, self.scope_id);
+                    let timer = self.flow.labels.store_call("claim");
+                    Box::pin(async move {
+                        let request = ClaimRequest::new(&id, &fp, lease, ttl).in_scope(&scope);
+                        timed(timer, store.claim(&request)).await
+                    })
+                }),
+                cfg: self.flow.cfg.clone(),
+                labels: self.flow.labels.clone(),
+                id: self.id,
+                sent,
+            };
+            let mut pending = pending;
+            let outcome = match within(deadline(sent, timeout), &mut pending).await {
+                Ok(outcome) => outcome,
+                Err(elapsed) => {
+                    // Unknown: never read as claimed. A late reply that won the claim is
+                    // released before the 503, within one more store deadline.
+                    pending
+                        .release_if_won(deadline(Instant::now(), timeout))
+                        .await;
+                    Err(StoreError::with_source(StoreErrorKind::Unknown, elapsed))
+                }
+            };
+            drop(pending);
+            let record = match outcome {
+                Ok(ClaimOutcome::Claimed(claim)) => return Step::Claimed(claim, sent),
+                Ok(ClaimOutcome::Existing(record)) => record,
+                Err(e) if e.kind() == StoreErrorKind::QuotaExceeded => {
+                    self.outcome(Outcome::OverQuota);
+                    if cfg.store_failure.open_on_quota {
+                        tracing::warn!("idempotency scope over its quota; running unprotected (quota fail open)");
+                        return Step::FailOpen;
+                    }
+                    let err = IdempotencyError::new(
+                        ErrorKind::QuotaExceeded,
+                        "this caller holds as many idempotency records as it may; the request was not processed",
+                    );
+                    return Step::Answer(self.flow.error(err));
+                }
+                Err(e) if cfg.store_failure.open_on_error => {
+                    self.outcome(Outcome::StoreError);
+                    tracing::warn!(error = %Chain(&e), "idempotency store failed; running unprotected (fail open)");
+                    return Step::FailOpen;
+                }
+                Err(e) => {
+                    self.outcome(Outcome::StoreError);
+                    tracing::error!(error = %Chain(&e), "idempotency store failed; refusing the request (fail closed)");
+                    let detail = if e.kind() == StoreErrorKind::Unknown {
+                        "the idempotency store did not answer in time; the request was not processed"
+                    } else {
+                        "the idempotency store is unavailable; the request was not processed"
+                    };
+                    let err = IdempotencyError::new(ErrorKind::StoreUnavailable, detail)
+                        .retry_after(STORE_RETRY_AFTER)
+                        .source(e);
+                    return Step::Answer(self.flow.error(err));
+                }
+            };
+            if record.fingerprint != self.fp {
+                self.outcome(Outcome::Mismatch);
+                let err = IdempotencyError::new(
+                    ErrorKind::Mismatch,
+                    "this idempotency key was already used with a different request",
+                );
+                return Step::Answer(self.flow.error(err));
+            }
+            match record.state {
+                RecordState::Completed(Completion::Response(stored)) => {
+                    if cfg.vary_match && !crate::recording::vary_matches(&stored, request) {
+                        self.outcome(Outcome::Mismatch);
+                        let err = IdempotencyError::new(
+                            ErrorKind::Mismatch,
+                            "this idempotency key was already used by a request whose answer varies on request headers (its Vary) that this one sends differently",
+                        );
+                        return Step::Answer(self.flow.error(err));
+                    }
+                    self.outcome(Outcome::Replayed);
+                    let mut res = response::replay(stored);
+                    self.publish_ttl(res.headers_mut());
+                    return Step::Answer(res);
+                }
+                RecordState::Completed(Completion::Tombstone { status }) => {
+                    self.outcome(Outcome::Tombstoned);
+                    let err = IdempotencyError::new(ErrorKind::ResponseNotRetained, "the original request completed, but its response was too large to keep; it was not run again")
+                        .original_status(status);
+                    return Step::Answer(self.flow.error(err));
+                }
+                RecordState::InProgress { lease_remaining } => {
+                    if let Some(until) = wait_until {
+                        let started = Instant::now();
+                        let changed = self.wait_for_change(until).await;
+                        self.flow.labels.waited(started.elapsed());
+                        if changed {
+                            continue;
+                        }
+                    }
+                    self.outcome(Outcome::Conflict);
+                    let err = IdempotencyError::new(
+                        ErrorKind::InProgress,
+                        "a request with this idempotency key is still being processed",
+                    )
+                    .retry_after(lease_remaining.min(cfg.in_progress.retry_after))
+                    .with_status(cfg.in_progress_status);
+                    return Step::Answer(self.flow.error(err));
+                }
+            }
+        }
+    }
+
+    /// Steps 7 to 9: run the inner service once, renewing the lease; settle; answer through
+    /// `tx` as soon as the answer is known (a released answer does not wait for its release).
+    async fn execute<S, ReqB, ResB>(
+        &self,
+        mut inner: S,
+        mut parts: request::Parts,
+        bytes: Bytes,
+        Claim {
+            token,
+            takeover,
+            lapsed_for,
+        }: Claim,
+        lease: Lease,
+        tx: tokio::sync::oneshot::Sender<Delivery<ResB, S::Error>>,
+    ) where
+        S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
+        ResB: Body<Data = Bytes>,
+    {
+        tracing::Span::current().record("generation", token.generation());
+        if takeover {
+            self.flow.labels.event(Event::Takeover);
+            tracing::warn!(generation = token.generation(), "took over a claim whose lease lapsed; the earlier attempt may have done part of the work");
+            if let Some(hook) = &self.flow.cfg.on_abandoned {
+                // Generations grow by one per takeover.
+                let abandoned = crate::Abandoned {
+                    scope: self.scope.clone(),
+                    record: self.id,
+                    old_generation: token.generation().saturating_sub(1),
+                    new_generation: token.generation(),
+                    abandoned_for: lapsed_for,
+                };
+                if let Err(panic) = std::panic::catch_unwind(AssertUnwindSafe(|| hook(&abandoned)))
+                {
+                    tracing::error!(
+                        panic = panic_message(&*panic),
+                        "the abandoned-key hook panicked; the request runs"
+                    );
+                }
+            }
+        }
+        // What a recorded answer's `Vary` names is known only once it exists: keep the
+        // request's headers until then, for the layer and for a handler that records itself.
+        let request_headers = self
+            .flow
+            .cfg
+            .vary_match
+            .then(|| Arc::new(parts.headers.clone()));
+        let ctx = IdempotencyContext::new(
+            self.key.clone(),
+            self.scope.clone(),
+            self.id,
+            self.fp,
+            token,
+            self.flow.cfg.clone(),
+            request_headers.clone(),
+        );
+        parts.extensions.insert(ctx);
+        let req = Request::from_parts(parts, RequestBody::buffered(bytes));
+
+        let work = AssertUnwindSafe(self.work(&mut inner, req)).catch_unwind();
+        let result = tokio::select! {
+            biased;
+            r = work => r,
+            never = self.renew(&token, &lease) => match never {},
+        };
+        let (token, lease) = (&token, &lease);
+        match result {
+            Err(panic) => {
+                let send = || drop(tx.send(Err(panic)));
+                self.finish(Settlement::Release, token, lease, send).await;
+            }
+            Ok(Err(e)) => {
+                let send = || drop(tx.send(Ok(Err(e))));
+                self.finish(Settlement::Release, token, lease, send).await;
+            }
+            Ok(Ok(work)) => {
+                self.settle(work, request_headers.as_deref(), token, lease, tx)
+                    .await
+            }
+        }
+    }
+
+    /// 8. What the work produced decides record or release; [`finish`](Self::finish) does it.
+    async fn settle<ResB, E>(
+        &self,
+        work: Work<ResB>,
+        request_headers: Option<&HeaderMap>,
+        token: &Token,
+        lease: &Lease,
+        tx: tokio::sync::oneshot::Sender<Delivery<ResB, E>>,
+    ) where
+        ResB: Body<Data = Bytes>,
+    {
+        let cfg = &*self.flow.cfg;
+        let (settlement, res) = match work {
+            Work::Unbuffered(RecordDecision::AlreadyRecorded, res) => {
+                (Settlement::AlreadyRecorded, res)
+            }
+            Work::Unbuffered(_, res) | Work::Failed(res) => (Settlement::Release, res),
+            Work::TooLarge(res) => {
+                let tomb = Completion::Tombstone {
+                    status: res.status(),
+                };
+                (Settlement::Record(tomb), res)
+            }
+            Work::Streaming {
+                response,
+                extension,
+                end,
+            } => {
+                let status = response.status();
+                let head = response.headers().clone();
+                let _ = tx.send(Ok(Ok(response)));
+                // The client reads the stream; the claim stays renewed until it ends.
+                let ended = tokio::select! {
+                    biased;
+                    ended = end => ended,
+                    never = self.renew(token, lease) => match never {},
+                };
+                let (how, go) = match ended {
+                    Ok(StreamEnd { how, go }) => (Ok(how), Some(go)),
+                    Err(gone) => (Err(gone), None),
+                };
+                let decision = match how {
+                    Ok(Ended::Ended(trailers)) => {
+                        let info = ResponseInfo::new(status, &head, trailers.as_ref());
+                        match self.decide(extension, &info) {
+                            Ok(d) => d,
+                            Err(panic) => {
+                                tracing::error!(panic = panic_message(&*panic), "the record policy panicked after the response streamed; released");
+                                RecordDecision::Release
+                            }
+                        }
+                    }
+                    Ok(Ended::Failed) => RecordDecision::Release,
+                    // The client dropped the stream before its end: the status is unknown
+                    // and the work ran, so it must not run again.
+                    Err(_) => RecordDecision::Record,
+                };
+                // Over max_response_body: only its status is kept.
+                let settlement = Settlement::of(decision, || Completion::Tombstone { status });
+                // The body holds its last frame until this: settled first, then answered.
+                let send = || {
+                    if let Some(go) = go {
+                        let _ = go.send(());
+                    }
+                };
+                return self.finish(settlement, token, lease, send).await;
+            }
+            Work::Buffered {
+                parts,
+                data,
+                trailers,
+            } => {
+                let info = ResponseInfo::new(parts.status, &parts.headers, trailers.as_ref());
+                let decision = match self.decide(parts.extensions.get().copied(), &info) {
+                    Ok(d) => d,
+                    Err(panic) => {
+                        let send = || drop(tx.send(Err(panic)));
+                        return self.finish(Settlement::Release, token, lease, send).await;
+                    }
+                };
+                let settlement = Settlement::of(decision, || {
+                    let completion = crate::recording::completion(
+                        cfg,
+                        request_headers,
+                        parts.status,
+                        &parts.headers,
+                        data.clone(),
+                        trailers.as_ref(),
+                    );
+                    if let Completion::Response(_) = completion {
+                        self.flow.labels.recorded_body(data.len());
+                    }
+                    completion
+                });
+                let mut parts = parts;
+                if let Settlement::Record(Completion::Response(_)) = settlement {
+                    self.publish_ttl(&mut parts.headers);
+                }
+                let res = Response::from_parts(parts, ResponseBody::full(data, trailers));
+                (settlement, res)
+            }
+        };
+        self.finish(settlement, token, lease, || drop(tx.send(Ok(Ok(res)))))
+            .await;
+    }
+
+    /// The record decision; a panicking user policy is caught so the claim can be released
+    /// before the panic is resumed in the caller.
+    fn decide(
+        &self,
+        extension: Option<RecordDecision>,
+        info: &ResponseInfo<'_>,
+    ) -> Result<RecordDecision, Panic> {
+        let cfg = &*self.flow.cfg;
+        std::panic::catch_unwind(AssertUnwindSafe(|| decide(&*cfg.policy, extension, info)))
+    }
+
+    /// 8-9. Records or releases, and answers through `send`: a recorded answer after its
+    /// record (retried while the lease lives), a released one after one release attempt under
+    /// the store deadline, so a retry sent at once finds the key free. Only a release that
+    /// failed or timed out goes on, after the answer, while the lease lives.
+    async fn finish(
+        &self,
+        settlement: Settlement,
+        token: &Token,
+        lease: &Lease,
+        send: impl FnOnce(),
+    ) {
+        match settlement {
+            Settlement::Record(completion) => {
+                self.outcome(match completion {
+                    Completion::Response(_) => Outcome::Executed,
+                    Completion::Tombstone { .. } => Outcome::Tombstoned,
+                });
+                self.complete(token, &completion, lease).await;
+                send();
+            }
+            Settlement::Release => {
+                self.outcome(Outcome::Released);
+                let first = self.release_once(token, lease.timeout).await;
+                send();
+                if first.is_err() {
+                    self.release(token, lease).await;
+                }
+            }
+            Settlement::AlreadyRecorded => {
+                self.outcome(Outcome::Executed);
+                send();
+                self.check_recorded_by_handler(token).await;
+            }
+        }
+    }
+}
+
+fn panic_message(panic: &(dyn Any + Send)) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("a non-string panic")
+}
