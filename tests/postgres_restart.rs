@@ -1,16 +1,16 @@
 //! `PostgresStore` across a Postgres restart: the pool drops its dead connections and the
 //! store works again.
 //!
-//! A file with one test of its own, because restarting the server breaks every session:
-//! cargo runs test binaries one after another, so no other test shares this moment. Needs
-//! `IDEMPOTENCY_TEST_POSTGRES_URL` pointing at the local cluster and `pg_ctlcluster`
-//! (Debian's postgresql-common) with the right to use it; skipped with a printed reason
-//! otherwise, unless `IDEMPOTENCY_REQUIRE_BACKENDS=1`.
-#![cfg(feature = "postgres")]
+//! A test binary of its own (not a module of `tests/stores`), because restarting the server
+//! breaks every session: cargo runs test binaries one after another, so no other test shares
+//! this moment. Needs `IDEMPOTENCY_TEST_POSTGRES_URL` pointing at the local cluster and
+//! `pg_ctlcluster` (Debian's postgresql-common) with the right to use it; skipped with a
+//! printed reason otherwise, unless `IDEMPOTENCY_REQUIRE_BACKENDS=1`.
+#![cfg(all(feature = "conformance", feature = "postgres"))]
 
-mod common;
+mod support;
+use support::pg as pg_support;
 use tower_idempotency::conformance;
-mod pg_support;
 
 use std::process::Command;
 use std::time::Duration;
@@ -18,8 +18,10 @@ use std::time::Duration;
 use conformance::{fp, response, unique_id};
 use pg_support::{store_in, TestSchema};
 use tower_idempotency::store::postgres::PostgresStore;
-use tower_idempotency::store::{ClaimOutcome, IdempotencyStore, StoreError, StoreErrorKind};
-use tower_idempotency::RecordState;
+use tower_idempotency::store::RecordState;
+use tower_idempotency::store::{
+    ClaimOutcome, ClaimRequest, IdempotencyStore, StoreError, StoreErrorKind,
+};
 
 const LEASE: Duration = Duration::from_secs(30);
 const TTL: Duration = Duration::from_secs(600);
@@ -104,9 +106,13 @@ async fn store_recovers_after_a_postgres_restart() {
 
     // A completed record, and four pooled connections with prepared statements.
     let id = unique_id("before");
-    let token = match store.claim(&id, &fp(1), LEASE, TTL).await.unwrap() {
+    let token = match store
+        .claim(&ClaimRequest::new(&id, &fp(1), LEASE, TTL))
+        .await
+        .unwrap()
+    {
         ClaimOutcome::Claimed(c) => c.token,
-        other @ ClaimOutcome::Existing(_) => panic!("expected Claimed, got {other:?}"),
+        other => panic!("expected Claimed, got {other:?}"),
     };
     store
         .complete(&id, &token, &response(201, "kept"), TTL)
@@ -142,7 +148,9 @@ async fn store_recovers_after_a_postgres_restart() {
     // claim is Unavailable or, if it went out on a connection that then died, Unknown;
     // never Claimed.
     let down = store.get(&id).await;
-    let claim_down = store.claim(&unique_id("down"), &fp(3), LEASE, TTL).await;
+    let claim_down = store
+        .claim(&ClaimRequest::new(&unique_id("down"), &fp(3), LEASE, TTL))
+        .await;
     ctl("start").await.unwrap().expect("pg_ctlcluster start");
     let err = down.expect_err("a read with the server down");
     assert_eq!(err.kind(), StoreErrorKind::Unavailable, "{err:?}");
@@ -183,19 +191,27 @@ async fn store_recovers_after_a_postgres_restart() {
     }
     // A whole new request: claim, complete, replay.
     let fresh = unique_id("after");
-    let token = match store.claim(&fresh, &fp(2), LEASE, TTL).await.unwrap() {
+    let token = match store
+        .claim(&ClaimRequest::new(&fresh, &fp(2), LEASE, TTL))
+        .await
+        .unwrap()
+    {
         ClaimOutcome::Claimed(c) => c.token,
-        other @ ClaimOutcome::Existing(_) => panic!("expected Claimed, got {other:?}"),
+        other => panic!("expected Claimed, got {other:?}"),
     };
     store
         .complete(&fresh, &token, &response(200, "new"), TTL)
         .await
         .unwrap();
-    match store.claim(&fresh, &fp(2), LEASE, TTL).await.unwrap() {
+    match store
+        .claim(&ClaimRequest::new(&fresh, &fp(2), LEASE, TTL))
+        .await
+        .unwrap()
+    {
         ClaimOutcome::Existing(r) => {
             assert_eq!(r.state, RecordState::Completed(response(200, "new")))
         }
-        other @ ClaimOutcome::Claimed(_) => panic!("expected a replay, got {other:?}"),
+        other => panic!("expected a replay, got {other:?}"),
     }
     drop(store);
     schema.drop_now().await;

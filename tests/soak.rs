@@ -1,14 +1,9 @@
 //! A soak on every store: `IDEMPOTENCY_SOAK_SECS` (default 10) of high concurrency mixing new
-//! keys, replays, conflicts and mismatches. Its own binary, so the RSS it samples is its own.
+//! keys, replays, conflicts and mismatches. Its own binary (not a module of `tests/reliability`),
+//! so the RSS it samples is its own.
 
-mod common;
-#[path = "support/load.rs"]
-mod load;
-#[cfg(feature = "postgres")]
-mod pg_support;
-#[path = "support/rng.rs"]
-mod rng;
 mod support;
+use support::{load, rng};
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -20,7 +15,7 @@ use load::*;
 use rng::Rng;
 use tower::ServiceExt;
 use tower_idempotency::store::MemoryStore;
-use tower_idempotency::Retention;
+use tower_idempotency::Timing;
 
 /// Resident set size in KiB, from /proc (Linux); `None` elsewhere.
 fn rss_kib() -> Option<u64> {
@@ -44,9 +39,9 @@ struct SoakCounts {
 async fn soak(label: &str, store: Arc<dyn tower_idempotency::store::IdempotencyStore>) {
     let secs = env_num("IDEMPOTENCY_SOAK_SECS", 10);
     let ttl = Duration::from_secs(20);
-    let retention = Retention::new(Duration::from_secs(10), ttl).unwrap();
+    let timing = Timing::new(Duration::from_secs(10), ttl).unwrap();
     let ledger = Arc::new(Ledger::default());
-    let svc = service(store, retention, ledger.clone());
+    let svc = service(store, timing, ledger.clone());
     let run = run_id(label);
     let seed = Rng::from_env(label).next_u64();
     let counts = Arc::new(SoakCounts::default());

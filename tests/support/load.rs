@@ -13,9 +13,9 @@ use http::{Request, Response, StatusCode};
 use http_body_util::Full;
 use tower::{service_fn, util::BoxCloneService, Layer};
 use tower_idempotency::store::IdempotencyStore;
-use tower_idempotency::{IdempotencyLayer, RequestBody, ResponseBody, Retention};
+use tower_idempotency::{IdempotencyLayer, RequestBody, ResponseBody, Timing};
 
-use crate::support::{body_bytes, post};
+use super::{body_bytes, post};
 
 pub type Svc =
     BoxCloneService<Request<Full<Bytes>>, Response<ResponseBody<Full<Bytes>>>, Infallible>;
@@ -61,7 +61,7 @@ impl Ledger {
 
 /// The inner service: records the execution, waits `x-latency-ms`, answers 201 with a body
 /// unique to this execution (so two executions can never look like one).
-pub fn service(store: Arc<dyn IdempotencyStore>, retention: Retention, ledger: Arc<Ledger>) -> Svc {
+pub fn service(store: Arc<dyn IdempotencyStore>, timing: Timing, ledger: Arc<Ledger>) -> Svc {
     let inner = service_fn(move |req: Request<RequestBody<Full<Bytes>>>| {
         let ledger = ledger.clone();
         async move {
@@ -88,7 +88,7 @@ pub fn service(store: Arc<dyn IdempotencyStore>, retention: Retention, ledger: A
     BoxCloneService::new(
         IdempotencyLayer::from_arc(store)
             .unscoped()
-            .with_retention(retention)
+            .with_timing(timing)
             .layer(inner),
     )
 }
@@ -130,7 +130,7 @@ pub fn check_storm(key: &str, runs: usize, answers: &[Answer]) {
 #[cfg(feature = "redis")]
 pub async fn redis_store(label: &str) -> Option<Arc<dyn IdempotencyStore>> {
     use tower_idempotency::store::redis::RedisStore;
-    let url = crate::common::backend_url("IDEMPOTENCY_TEST_REDIS_URL")?;
+    let url = super::backend::backend_url("IDEMPOTENCY_TEST_REDIS_URL")?;
     let store = RedisStore::builder()
         .with_key_prefix(format!("{}:", run_id(label)))
         .connect(&url)
@@ -142,9 +142,9 @@ pub async fn redis_store(label: &str) -> Option<Arc<dyn IdempotencyStore>> {
 #[cfg(feature = "postgres")]
 pub async fn postgres_store(
     label: &str,
-) -> Option<(Arc<dyn IdempotencyStore>, crate::pg_support::TestSchema)> {
-    let url = crate::pg_support::url()?;
-    let schema = crate::pg_support::TestSchema::create(&url, label).await;
-    let store = crate::pg_support::store_in(&url, &schema, 16, &format!("tidem-{label}")).await;
+) -> Option<(Arc<dyn IdempotencyStore>, super::pg::TestSchema)> {
+    let url = super::pg::url()?;
+    let schema = super::pg::TestSchema::create(&url, label).await;
+    let store = super::pg::store_in(&url, &schema, 16, &format!("tidem-{label}")).await;
     Some((Arc::new(store), schema))
 }

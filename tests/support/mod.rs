@@ -1,5 +1,23 @@
-//! Test doubles shared by the layer tests: a counting store, a failing store, request helpers.
+//! What the integration tests share, included once by each test crate (`tests/<group>/main.rs`).
+//! Here: test doubles (a counting store, a failing store) and request helpers. Beside it: the
+//! backends' URLs ([`backend`]), private Postgres schemas and a TCP proxy to Postgres ([`pg`]),
+//! private `redis-server`s ([`redis_harness`]) and per-scope quota helpers ([`redis_quota`]),
+//! the load of the storm and soak tests ([`load`]), a fault-injecting TCP proxy ([`proxy`]) and
+//! a seeded random number generator ([`rng`]).
 #![allow(dead_code, unreachable_pub)]
+
+pub mod backend;
+#[cfg(feature = "redis")]
+pub mod failover;
+pub mod load;
+#[cfg(feature = "postgres")]
+pub mod pg;
+pub mod pg_failover;
+pub mod proxy;
+pub mod redis_harness;
+#[cfg(feature = "redis")]
+pub mod redis_quota;
+pub mod rng;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -11,9 +29,10 @@ use http::{Request, Response};
 use http_body::Body;
 use http_body_util::{BodyExt, Full};
 use tower_idempotency::store::{
-    ClaimOutcome, IdempotencyStore, MemoryStore, StoreError, StoreErrorKind,
+    ClaimOutcome, ClaimRequest, IdempotencyStore, MemoryStore, StoreError, StoreErrorKind,
 };
-use tower_idempotency::{Completion, Fingerprint, Record, RecordId, RequestBody, ScopeId, Token};
+use tower_idempotency::store::{Completion, Record, RecordId, Token};
+use tower_idempotency::RequestBody;
 
 /// Counts every store call, then delegates to a `MemoryStore`.
 #[derive(Debug, Default)]
@@ -43,26 +62,9 @@ impl CountingStore {
 
 #[async_trait]
 impl IdempotencyStore for CountingStore {
-    async fn claim(
-        &self,
-        id: &RecordId,
-        fp: &Fingerprint,
-        lease: Duration,
-        ttl: Duration,
-    ) -> Result<ClaimOutcome, StoreError> {
+    async fn claim(&self, request: &ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
         self.claims.fetch_add(1, Ordering::SeqCst);
-        self.inner.claim(id, fp, lease, ttl).await
-    }
-    async fn claim_in_scope(
-        &self,
-        scope: &ScopeId,
-        id: &RecordId,
-        fp: &Fingerprint,
-        lease: Duration,
-        ttl: Duration,
-    ) -> Result<ClaimOutcome, StoreError> {
-        self.claims.fetch_add(1, Ordering::SeqCst);
-        self.inner.claim_in_scope(scope, id, fp, lease, ttl).await
+        self.inner.claim(request).await
     }
     async fn extend(
         &self,
@@ -106,13 +108,7 @@ fn down() -> StoreError {
 
 #[async_trait]
 impl IdempotencyStore for DownStore {
-    async fn claim(
-        &self,
-        _: &RecordId,
-        _: &Fingerprint,
-        _: Duration,
-        _: Duration,
-    ) -> Result<ClaimOutcome, StoreError> {
+    async fn claim(&self, _: &ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
         Err(down())
     }
     async fn extend(&self, _: &RecordId, _: &Token, _: Duration) -> Result<(), StoreError> {
@@ -332,29 +328,8 @@ impl<S: IdempotencyStore> FaultStore<S> {
 
 #[async_trait]
 impl<S: IdempotencyStore> IdempotencyStore for FaultStore<S> {
-    async fn claim(
-        &self,
-        id: &RecordId,
-        fp: &Fingerprint,
-        lease: Duration,
-        ttl: Duration,
-    ) -> Result<ClaimOutcome, StoreError> {
-        self.run(Op::Claim, self.inner.claim(id, fp, lease, ttl))
-            .await
-    }
-    async fn claim_in_scope(
-        &self,
-        scope: &ScopeId,
-        id: &RecordId,
-        fp: &Fingerprint,
-        lease: Duration,
-        ttl: Duration,
-    ) -> Result<ClaimOutcome, StoreError> {
-        self.run(
-            Op::Claim,
-            self.inner.claim_in_scope(scope, id, fp, lease, ttl),
-        )
-        .await
+    async fn claim(&self, request: &ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
+        self.run(Op::Claim, self.inner.claim(request)).await
     }
     async fn extend(
         &self,

@@ -1,0 +1,750 @@
+//! Where the key comes from (`Key`) and the webhook defaults (`Webhook`), through plain
+//! tower: every rejected input is a 400 problem that names the key's place, with no store
+//! call and no handler run.
+
+use crate::support;
+
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderName, Request, Response, StatusCode};
+use http_body::{Body, Frame};
+use http_body_util::Full;
+use support::{assert_problem, body_bytes, counting, CountingStore};
+use tokio::sync::Notify;
+use tower::{Layer, Service, ServiceExt};
+use tower_idempotency::{
+    ErrorKind, IdempotencyLayer, JsonPointer, Key, KeyPart, RequestBody, Webhook,
+    DEFAULT_WEBHOOK_TTL,
+};
+
+type Req = Request<RequestBody<Full<Bytes>>>;
+
+/// A handler that counts its runs and answers 200 `run <n>`, or the status in the
+/// request's `x-answer` header.
+#[derive(Clone, Default)]
+struct Work {
+    runs: Arc<AtomicUsize>,
+}
+
+impl Work {
+    fn runs(&self) -> usize {
+        self.runs.load(Ordering::SeqCst)
+    }
+}
+
+impl Service<Req> for Work {
+    type Response = Response<Full<Bytes>>;
+    type Error = std::convert::Infallible;
+    type Future = std::future::Ready<Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Req) -> Self::Future {
+        let n = self.runs.fetch_add(1, Ordering::SeqCst) + 1;
+        let mut res = Response::new(Full::new(Bytes::from(format!("run {n}"))));
+        if let Some(status) = req.headers().get("x-answer") {
+            *res.status_mut() = status.to_str().unwrap().parse().unwrap();
+        }
+        std::future::ready(Ok(res))
+    }
+}
+
+fn svc(layer: IdempotencyLayer, work: &Work) -> tower_idempotency::Idempotency<Work> {
+    layer.layer(work.clone())
+}
+
+fn unscoped(store: &Arc<CountingStore>) -> IdempotencyLayer {
+    IdempotencyLayer::from_arc(store.clone()).unscoped()
+}
+
+/// A JSON POST without an `Idempotency-Key`.
+fn json(path: &str, body: &str) -> Request<Full<Bytes>> {
+    Request::post(path)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::copy_from_slice(body.as_bytes())))
+        .unwrap()
+}
+
+async fn call<S, B>(
+    s: &S,
+    req: Request<B>,
+) -> Response<tower_idempotency::ResponseBody<Full<Bytes>>>
+where
+    S: Service<
+            Request<B>,
+            Response = Response<tower_idempotency::ResponseBody<Full<Bytes>>>,
+            Error = std::convert::Infallible,
+        > + Clone,
+{
+    s.clone().oneshot(req).await.unwrap()
+}
+
+fn replayed<B>(res: &Response<B>) -> bool {
+    res.headers().get("idempotent-replayed").is_some()
+}
+
+#[tokio::test]
+async fn a_json_pointer_key_dedupes_on_the_bodys_id_and_two_ids_run_twice() {
+    let (store, work) = (counting(), Work::default());
+    let s = svc(
+        unscoped(&store).with_key(Key::json_pointer("/id").unwrap()),
+        &work,
+    );
+    let first = call(&s, json("/hook", r#"{"id":"evt_1","n":1}"#)).await;
+    assert_eq!(first.status(), 200);
+    assert_eq!(body_bytes(first).await, "run 1");
+    let again = call(&s, json("/hook", r#"{ "n":1, "id":"evt_1" }"#)).await;
+    assert!(replayed(&again));
+    assert_eq!(body_bytes(again).await, "run 1");
+    let other = call(&s, json("/hook", r#"{"id":"evt_2","n":1}"#)).await;
+    assert_eq!(body_bytes(other).await, "run 2");
+    assert_eq!(work.runs(), 2);
+}
+
+#[tokio::test]
+async fn an_integer_id_is_its_decimal_text_so_123_and_the_string_123_are_one_key() {
+    let (store, work) = (counting(), Work::default());
+    let s = svc(
+        unscoped(&store).with_key(Key::json_pointer("/event/id").unwrap()),
+        &work,
+    );
+    call(&s, json("/hook", r#"{"event":{"id":123}}"#)).await;
+    let string = call(&s, json("/hook", r#"{"event":{"id":123}}"#)).await;
+    assert!(replayed(&string));
+    // Same key, other body: the fingerprint still tells them apart.
+    let res = call(&s, json("/hook", r#"{"event":{"id":"123"}}"#)).await;
+    assert_problem(res, ErrorKind::Mismatch).await;
+    let negative = call(&s, json("/hook", r#"{"event":{"id":-7}}"#)).await;
+    assert_eq!(negative.status(), 200);
+    assert_eq!(work.runs(), 2);
+}
+
+/// Each refused body, with the kind and the words its problem must carry; none reaches the
+/// store or the handler.
+#[tokio::test]
+async fn every_bad_body_id_is_a_400_naming_the_pointer_and_nothing_is_stored() {
+    let (store, work) = (counting(), Work::default());
+    let s = svc(
+        unscoped(&store).with_key(Key::json_pointer("/data/id").unwrap()),
+        &work,
+    );
+    let long = format!(r#"{{"data":{{"id":"{}"}}}}"#, "k".repeat(256));
+    let cases: &[(&str, &str, ErrorKind, &str)] = &[
+        (
+            "absent",
+            r#"{"data":{}}"#,
+            ErrorKind::KeyMissing,
+            "is missing",
+        ),
+        (
+            "null",
+            r#"{"data":{"id":null}}"#,
+            ErrorKind::KeyMissing,
+            "is missing",
+        ),
+        (
+            "path through a scalar",
+            r#"{"data":7}"#,
+            ErrorKind::KeyMissing,
+            "is missing",
+        ),
+        (
+            "not JSON",
+            r#"{"data":{"id":"a"}"#,
+            ErrorKind::KeyMissing,
+            "not JSON",
+        ),
+        (
+            "two documents",
+            r#"{"data":{"id":"a"}} {}"#,
+            ErrorKind::KeyMissing,
+            "not JSON",
+        ),
+        (
+            "empty string",
+            r#"{"data":{"id":""}}"#,
+            ErrorKind::KeyInvalid,
+            "is empty",
+        ),
+        (
+            "256 characters",
+            &long,
+            ErrorKind::KeyInvalid,
+            "longer than 255",
+        ),
+        (
+            "a space",
+            r#"{"data":{"id":"a b"}}"#,
+            ErrorKind::KeyInvalid,
+            "visible ASCII",
+        ),
+        (
+            "non-ASCII",
+            r#"{"data":{"id":"caf\u00e9"}}"#,
+            ErrorKind::KeyInvalid,
+            "visible ASCII",
+        ),
+        (
+            "a fraction",
+            r#"{"data":{"id":1.5}}"#,
+            ErrorKind::KeyInvalid,
+            "a fraction",
+        ),
+        (
+            "an exponent",
+            r#"{"data":{"id":1e3}}"#,
+            ErrorKind::KeyInvalid,
+            "an exponent",
+        ),
+        (
+            "beyond 64 bits",
+            r#"{"data":{"id":18446744073709551616}}"#,
+            ErrorKind::KeyInvalid,
+            "64 bits",
+        ),
+        (
+            "a boolean",
+            r#"{"data":{"id":true}}"#,
+            ErrorKind::KeyInvalid,
+            "a boolean",
+        ),
+        (
+            "an object",
+            r#"{"data":{"id":{}}}"#,
+            ErrorKind::KeyInvalid,
+            "an object",
+        ),
+        (
+            "an array",
+            r#"{"data":{"id":["a"]}}"#,
+            ErrorKind::KeyInvalid,
+            "an array",
+        ),
+        (
+            "named twice",
+            r#"{"data":{"id":"a","id":"b"}}"#,
+            ErrorKind::KeyInvalid,
+            "more than once",
+        ),
+        (
+            "parent named twice",
+            r#"{"data":{"id":"a"},"data":{}}"#,
+            ErrorKind::KeyInvalid,
+            "more than once",
+        ),
+    ];
+    for (label, body, kind, words) in cases {
+        let res = call(&s, json("/hook", body)).await;
+        assert_eq!(res.status(), StatusCode::BAD_REQUEST, "{label}");
+        let problem = assert_problem(res, *kind).await;
+        let detail = problem["detail"].as_str().unwrap();
+        assert!(
+            detail.contains("the idempotency key at JSON pointer `/data/id` in the request body"),
+            "{label}: {detail}"
+        );
+        assert!(detail.contains(words), "{label}: {detail}");
+    }
+    assert_eq!((store.total(), work.runs()), (0, 0));
+}
+
+#[tokio::test]
+async fn a_pointer_walks_arrays_by_index_and_unescapes_its_tokens() {
+    let (store, work) = (counting(), Work::default());
+    let s = svc(
+        unscoped(&store).with_key(Key::json_pointer("/items/1/a~1b").unwrap()),
+        &work,
+    );
+    let res = call(&s, json("/hook", r#"{"items":[{"a/b":"x"},{"a/b":"y"}]}"#)).await;
+    assert_eq!(res.status(), 200);
+    let same = call(&s, json("/hook", r#"{"items":[{"a/b":"x"},{"a/b":"y"}]}"#)).await;
+    assert!(replayed(&same));
+    for (label, body) in [
+        ("index past the end", r#"{"items":[{"a/b":"x"}]}"#),
+        ("a string", r#"{"items":"ab"}"#),
+    ] {
+        let res = call(&s, json("/hook", body)).await;
+        let problem = assert_problem(res, ErrorKind::KeyMissing).await;
+        assert!(
+            problem["detail"]
+                .as_str()
+                .unwrap()
+                .contains("`/items/1/a~1b`"),
+            "{label}"
+        );
+    }
+    // On an object a token is a member name, as RFC 6901 says: `1` finds `{"1": ..}`.
+    let object = call(&s, json("/hook", r#"{"items":{"1":{"a/b":"z"}}}"#)).await;
+    assert_eq!(
+        (object.status(), replayed(&object)),
+        (StatusCode::OK, false)
+    );
+    let s = svc(
+        unscoped(&store).with_key(Key::json_pointer("/items/01").unwrap()),
+        &work,
+    );
+    let res = call(&s, json("/hook", r#"{"items":["a","b"]}"#)).await;
+    assert_problem(res, ErrorKind::KeyMissing).await;
+    assert_eq!(work.runs(), 2);
+}
+
+#[tokio::test]
+async fn an_optional_body_key_lets_a_body_without_it_through_but_refuses_a_bad_one() {
+    let (store, work) = (counting(), Work::default());
+    let s = svc(
+        unscoped(&store).with_key(Key::json_pointer("/id").unwrap().optional()),
+        &work,
+    );
+    for body in [r#"{"other":1}"#, "not json"] {
+        let res = call(&s, json("/hook", body)).await;
+        assert_eq!(res.status(), 200);
+        assert!(!replayed(&res));
+    }
+    assert_eq!((work.runs(), store.total()), (2, 0));
+    let bad = call(&s, json("/hook", r#"{"id":""}"#)).await;
+    assert_problem(bad, ErrorKind::KeyInvalid).await;
+    call(&s, json("/hook", r#"{"id":"a"}"#)).await;
+    assert!(replayed(&call(&s, json("/hook", r#"{"id":"a"}"#)).await));
+    assert_eq!(work.runs(), 3);
+}
+
+fn adyen_key() -> Key {
+    Key::joined([
+        KeyPart::json_pointer("/item/eventCode").unwrap(),
+        KeyPart::json_pointer("/item/pspReference").unwrap(),
+    ])
+    .unwrap()
+}
+
+#[tokio::test]
+async fn joined_parts_are_length_prefixed_so_moving_a_character_between_them_is_another_key() {
+    let (store, work) = (counting(), Work::default());
+    let s = svc(unscoped(&store).with_key(adyen_key()), &work);
+    let body = |code: &str, psp: &str| {
+        format!(r#"{{"item":{{"eventCode":"{code}","pspReference":"{psp}"}}}}"#)
+    };
+    call(&s, json("/hook", &body("AB", "C"))).await;
+    // With the same body `A`,`BC` would be a 422 if the keys merged; here it runs.
+    let split = call(&s, json("/hook", &body("A", "BC"))).await;
+    assert_eq!(split.status(), 200);
+    assert!(!replayed(&split));
+    assert!(replayed(&call(&s, json("/hook", &body("AB", "C"))).await));
+    assert_eq!(work.runs(), 2);
+    // The key the handler sees is the joined form.
+    let ids: Vec<_> = [("AB", "C"), ("A", "BC")]
+        .iter()
+        .map(|(c, p)| {
+            tower_idempotency::store::RecordId::new(
+                None,
+                &format!("{}:{c}{}:{p}", c.len(), p.len()),
+            )
+        })
+        .collect();
+    for id in ids {
+        let record = tower_idempotency::store::IdempotencyStore::get(&*store, &id).await;
+        assert!(record.unwrap().is_some(), "{id:?}");
+    }
+}
+
+#[tokio::test]
+async fn a_missing_joined_part_is_named_and_a_joined_key_over_255_characters_is_refused() {
+    let (store, work) = (counting(), Work::default());
+    let s = svc(
+        unscoped(&store).with_key(adyen_key().described_as("notification id")),
+        &work,
+    );
+    let res = call(
+        &s,
+        json("/hook", r#"{"item":{"eventCode":"AUTHORISATION"}}"#),
+    )
+    .await;
+    let problem = assert_problem(res, ErrorKind::KeyMissing).await;
+    assert_eq!(
+        problem["detail"],
+        "the notification id part at JSON pointer `/item/pspReference` in the request body is missing"
+    );
+    let long = format!(
+        r#"{{"item":{{"eventCode":"{}","pspReference":"{}"}}}}"#,
+        "A".repeat(200),
+        "B".repeat(50)
+    );
+    let problem = assert_problem(call(&s, json("/hook", &long)).await, ErrorKind::KeyInvalid).await;
+    assert!(problem["detail"]
+        .as_str()
+        .unwrap()
+        .contains("joined from its parts is longer than 255"));
+    assert_eq!((store.total(), work.runs()), (0, 0));
+}
+
+#[tokio::test]
+async fn a_key_from_a_function_reads_head_and_body_and_is_held_to_the_same_rules() {
+    let (store, work) = (counting(), Work::default());
+    let key = Key::from_fn(|parts, body| {
+        let kind = parts.headers.get("x-kind")?.to_str().ok()?;
+        Some(format!("{kind}/{}", std::str::from_utf8(body).ok()?.trim()))
+    });
+    let s = svc(unscoped(&store).with_key(key), &work);
+    let req = |kind: Option<&str>, body: &str| {
+        let mut b = Request::post("/hook");
+        if let Some(k) = kind {
+            b = b.header("x-kind", k);
+        }
+        b.body(Full::new(Bytes::copy_from_slice(body.as_bytes())))
+            .unwrap()
+    };
+    call(&s, req(Some("push"), "abc")).await;
+    assert!(replayed(&call(&s, req(Some("push"), "abc")).await));
+    let problem = assert_problem(call(&s, req(None, "abc")).await, ErrorKind::KeyMissing).await;
+    assert_eq!(problem["detail"], "this request has no idempotency key");
+    let problem = assert_problem(
+        call(&s, req(Some("push"), "a b")).await,
+        ErrorKind::KeyInvalid,
+    )
+    .await;
+    assert_eq!(
+        problem["detail"],
+        "the idempotency key derived from this request must be visible ASCII characters (0x21-0x7E)"
+    );
+    assert_eq!(work.runs(), 1);
+}
+
+#[tokio::test]
+async fn another_header_is_named_in_its_problems() {
+    let (store, work) = (counting(), Work::default());
+    let key = Key::header(HeaderName::from_static("x-github-delivery")).described_as("delivery id");
+    let s = svc(unscoped(&store).with_key(key), &work);
+    let problem = assert_problem(call(&s, json("/hook", "{}")).await, ErrorKind::KeyMissing).await;
+    assert_eq!(
+        problem["detail"],
+        "the delivery id in the `x-github-delivery` header is missing"
+    );
+    let mut twice = json("/hook", "{}");
+    twice
+        .headers_mut()
+        .append("x-github-delivery", "a".parse().unwrap());
+    twice
+        .headers_mut()
+        .append("x-github-delivery", "b".parse().unwrap());
+    let problem = assert_problem(call(&s, twice).await, ErrorKind::KeyInvalid).await;
+    assert_eq!(
+        problem["detail"],
+        "the delivery id in the `x-github-delivery` header was sent in more than one field line"
+    );
+    assert_eq!((store.total(), work.runs()), (0, 0));
+}
+
+/// A body that says whether it was ever polled, and never ends.
+struct Watched(Arc<AtomicBool>);
+
+impl Body for Watched {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        self.0.store(true, Ordering::SeqCst);
+        Poll::Pending
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_header_key_is_refused_before_the_body_is_read_and_a_body_key_after() {
+    let polled = Arc::new(AtomicBool::new(false));
+    let inner = tower::service_fn(|_: Request<RequestBody<Watched>>| async {
+        Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::new())))
+    });
+    let store = counting();
+    let header = unscoped(&store).layer(inner);
+    let req = || {
+        Request::post("/hook")
+            .body(Watched(polled.clone()))
+            .unwrap()
+    };
+    let res = header.clone().oneshot(req()).await.unwrap();
+    assert_eq!(res.status(), StatusCode::BAD_REQUEST);
+    assert!(!polled.load(Ordering::SeqCst), "refused before buffering");
+
+    // A body key waits for the body: here, until the body timeout.
+    let body = unscoped(&store)
+        .with_key(Key::json_pointer("/id").unwrap())
+        .with_request_body_timeout(Duration::from_millis(10))
+        .layer(inner);
+    let res = body.oneshot(req()).await.unwrap();
+    assert_eq!(res.status(), StatusCode::REQUEST_TIMEOUT);
+    assert!(polled.load(Ordering::SeqCst));
+    assert_eq!(store.total(), 0);
+}
+
+#[tokio::test]
+async fn a_body_keyed_request_over_the_limit_is_413_before_any_claim() {
+    let (store, work) = (counting(), Work::default());
+    let s = svc(
+        unscoped(&store)
+            .with_key(Key::json_pointer("/id").unwrap())
+            .with_max_request_body(std::num::NonZeroUsize::new(32).unwrap()),
+        &work,
+    );
+    let big = format!(r#"{{"id":"evt_1","pad":"{}"}}"#, "x".repeat(64));
+    let res = call(&s, json("/hook", &big)).await;
+    assert_problem(res, ErrorKind::BodyTooLarge).await;
+    // Declared too large, or streamed past the limit without a length: the same.
+    let mut chunked = json("/hook", &big);
+    chunked.headers_mut().remove("content-length");
+    assert_problem(call(&s, chunked).await, ErrorKind::BodyTooLarge).await;
+    assert_eq!((store.total(), work.runs()), (0, 0));
+}
+
+#[test]
+fn bad_key_and_webhook_settings_are_refused_when_built() {
+    assert!(Key::json_pointer("id").is_err(), "must start with /");
+    assert!(Key::json_pointer("/a~2").is_err());
+    assert!(KeyPart::json_pointer("").is_err());
+    assert!(Key::joined([]).is_err());
+    let webhook = || Webhook::new(Key::json_pointer("/id").unwrap());
+    for ok in [
+        StatusCode::CONFLICT,
+        StatusCode::TOO_MANY_REQUESTS,
+        StatusCode::SERVICE_UNAVAILABLE,
+    ] {
+        assert!(webhook().with_in_progress_status(ok).is_ok(), "{ok}");
+    }
+    for bad in [StatusCode::OK, StatusCode::ACCEPTED, StatusCode::FOUND] {
+        assert!(webhook().with_in_progress_status(bad).is_err(), "{bad}");
+    }
+}
+
+fn stripe(store: &Arc<CountingStore>) -> IdempotencyLayer {
+    IdempotencyLayer::from_arc(store.clone())
+        .with_webhook(Webhook::new(Key::json_pointer("/id").unwrap()))
+}
+
+#[tokio::test]
+async fn webhook_mode_matches_key_and_route_so_a_changed_body_is_a_replay_not_422() {
+    let (store, work) = (counting(), Work::default());
+    let s = svc(stripe(&store), &work);
+    call(
+        &s,
+        json("/webhooks/stripe", r#"{"id":"evt_1","pending_webhooks":2}"#),
+    )
+    .await;
+    let redelivery = call(
+        &s,
+        json("/webhooks/stripe", r#"{"id":"evt_1","pending_webhooks":1}"#),
+    )
+    .await;
+    assert_eq!(redelivery.status(), 200);
+    assert!(replayed(&redelivery));
+    assert_eq!(body_bytes(redelivery).await, "run 1");
+    assert_eq!(work.runs(), 1);
+}
+
+#[tokio::test]
+async fn webhook_mode_says_webhook_id_in_its_problems_and_stores_nothing() {
+    let (store, work) = (counting(), Work::default());
+    let s = svc(stripe(&store), &work);
+    let problem = assert_problem(
+        call(&s, json("/webhooks/stripe", r#"{"type":"x"}"#)).await,
+        ErrorKind::KeyMissing,
+    )
+    .await;
+    assert_eq!(
+        problem["detail"],
+        "the webhook id at JSON pointer `/id` in the request body is missing"
+    );
+    assert_eq!((store.total(), work.runs()), (0, 0));
+}
+
+#[tokio::test]
+async fn matching_the_body_except_volatile_fields_replays_those_and_refuses_other_changes() {
+    let (store, work) = (counting(), Work::default());
+    let layer = IdempotencyLayer::from_arc(store.clone()).with_webhook(
+        Webhook::new(Key::json_pointer("/id").unwrap())
+            .matching_body_except([JsonPointer::parse("/pending_webhooks").unwrap()]),
+    );
+    let s = svc(layer, &work);
+    call(
+        &s,
+        json(
+            "/webhooks/stripe",
+            r#"{"id":"evt_1","amount":5,"pending_webhooks":2}"#,
+        ),
+    )
+    .await;
+    let volatile = call(
+        &s,
+        json(
+            "/webhooks/stripe",
+            r#"{"id":"evt_1","amount":5,"pending_webhooks":1}"#,
+        ),
+    )
+    .await;
+    assert!(replayed(&volatile));
+    let changed = call(
+        &s,
+        json(
+            "/webhooks/stripe",
+            r#"{"id":"evt_1","amount":6,"pending_webhooks":1}"#,
+        ),
+    )
+    .await;
+    assert_problem(changed, ErrorKind::Mismatch).await;
+    assert_eq!(work.runs(), 1);
+}
+
+#[tokio::test]
+async fn webhook_mode_records_only_2xx_so_a_failed_delivery_runs_again_when_redelivered() {
+    let (store, work) = (counting(), Work::default());
+    let s = svc(stripe(&store), &work);
+    for status in ["400", "409", "410", "302", "500"] {
+        let mut failed = json("/webhooks/stripe", r#"{"id":"evt_1"}"#);
+        failed
+            .headers_mut()
+            .insert("x-answer", status.parse().unwrap());
+        let res = call(&s, failed).await;
+        assert_eq!(res.status().as_str(), status);
+        assert!(!replayed(&res), "{status}");
+    }
+    let ok = call(&s, json("/webhooks/stripe", r#"{"id":"evt_1"}"#)).await;
+    assert_eq!((ok.status(), replayed(&ok)), (StatusCode::OK, false));
+    let again = call(&s, json("/webhooks/stripe", r#"{"id":"evt_1"}"#)).await;
+    assert!(replayed(&again));
+    assert_eq!(work.runs(), 6);
+}
+
+#[tokio::test]
+async fn webhook_mode_scopes_by_endpoint_so_one_id_on_two_endpoints_runs_twice() {
+    let (store, work) = (counting(), Work::default());
+    let s = svc(stripe(&store), &work);
+    for path in ["/webhooks/acme/stripe", "/webhooks/globex/stripe"] {
+        let res = call(&s, json(path, r#"{"id":"evt_1"}"#)).await;
+        assert_eq!(
+            (res.status(), replayed(&res)),
+            (StatusCode::OK, false),
+            "{path}"
+        );
+    }
+    assert!(replayed(
+        &call(&s, json("/webhooks/acme/stripe", r#"{"id":"evt_1"}"#)).await
+    ));
+    assert_eq!(work.runs(), 2);
+    // A scope set on the layer first is kept: one key space, so the second path is 422.
+    let (store, work) = (counting(), Work::default());
+    let layer = IdempotencyLayer::from_arc(store.clone())
+        .unscoped()
+        .with_webhook(Webhook::new(Key::json_pointer("/id").unwrap()));
+    let s = svc(layer, &work);
+    call(&s, json("/webhooks/acme/stripe", r#"{"id":"evt_1"}"#)).await;
+    let other = call(&s, json("/webhooks/globex/stripe", r#"{"id":"evt_1"}"#)).await;
+    assert_problem(other, ErrorKind::Mismatch).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn webhook_records_live_seven_days_by_default_and_with_ttl_changes_it() {
+    let (store, work) = (counting(), Work::default());
+    let s = svc(stripe(&store), &work);
+    call(&s, json("/webhooks/stripe", r#"{"id":"evt_1"}"#)).await;
+    tokio::time::advance(DEFAULT_WEBHOOK_TTL - Duration::from_secs(1)).await;
+    assert!(replayed(
+        &call(&s, json("/webhooks/stripe", r#"{"id":"evt_1"}"#)).await
+    ));
+    tokio::time::advance(Duration::from_secs(2)).await;
+    assert!(!replayed(
+        &call(&s, json("/webhooks/stripe", r#"{"id":"evt_1"}"#)).await
+    ));
+    assert_eq!(work.runs(), 2);
+
+    let layer = IdempotencyLayer::from_arc(store.clone()).with_webhook(
+        Webhook::new(Key::json_pointer("/id").unwrap()).with_ttl(Duration::from_secs(3600)),
+    );
+    let s = svc(layer, &work);
+    call(&s, json("/webhooks/other", r#"{"id":"evt_1"}"#)).await;
+    tokio::time::advance(Duration::from_secs(3601)).await;
+    assert!(!replayed(
+        &call(&s, json("/webhooks/other", r#"{"id":"evt_1"}"#)).await
+    ));
+    assert_eq!(work.runs(), 4);
+}
+
+/// A handler that waits for `gate` after saying it started.
+#[derive(Clone)]
+struct Gated {
+    started: Arc<Notify>,
+    gate: Arc<Notify>,
+    runs: Arc<AtomicUsize>,
+}
+
+impl Service<Req> for Gated {
+    type Response = Response<Full<Bytes>>;
+    type Error = std::convert::Infallible;
+    type Future =
+        Pin<Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: Req) -> Self::Future {
+        let this = self.clone();
+        Box::pin(async move {
+            this.runs.fetch_add(1, Ordering::SeqCst);
+            this.started.notify_one();
+            this.gate.notified().await;
+            Ok(Response::new(Full::new(Bytes::from_static(b"done"))))
+        })
+    }
+}
+
+#[tokio::test]
+async fn a_duplicate_while_the_first_delivery_runs_is_503_with_retry_after_or_the_chosen_status() {
+    for (webhook, status) in [
+        (
+            Webhook::new(Key::json_pointer("/id").unwrap()),
+            StatusCode::SERVICE_UNAVAILABLE,
+        ),
+        (
+            Webhook::new(Key::json_pointer("/id").unwrap())
+                .with_in_progress_status(StatusCode::CONFLICT)
+                .unwrap(),
+            StatusCode::CONFLICT,
+        ),
+    ] {
+        let gated = Gated {
+            started: Arc::default(),
+            gate: Arc::default(),
+            runs: Arc::default(),
+        };
+        let s = IdempotencyLayer::new(tower_idempotency::store::MemoryStore::new())
+            .with_webhook(webhook)
+            .layer(gated.clone());
+        let first = tokio::spawn(
+            s.clone()
+                .oneshot(json("/webhooks/stripe", r#"{"id":"evt_1"}"#)),
+        );
+        gated.started.notified().await;
+        let dup = s
+            .clone()
+            .oneshot(json("/webhooks/stripe", r#"{"id":"evt_1"}"#))
+            .await
+            .unwrap();
+        assert_eq!(dup.status(), status);
+        assert_eq!(dup.headers()["retry-after"], "1");
+        let problem = assert_problem(dup, ErrorKind::InProgress).await;
+        assert_eq!(problem["status"], status.as_u16());
+        gated.gate.notify_one();
+        assert_eq!(first.await.unwrap().unwrap().status(), 200);
+        let after = s
+            .oneshot(json("/webhooks/stripe", r#"{"id":"evt_1"}"#))
+            .await
+            .unwrap();
+        assert!(replayed(&after));
+        assert_eq!(gated.runs.load(Ordering::SeqCst), 1);
+    }
+}

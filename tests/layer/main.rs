@@ -1,0 +1,14 @@
+//! The layer through its front doors: a plain tower `service_fn`, axum, tonic, the
+//! fingerprint, `Vary` and rejected input, all on the memory store.
+
+#[path = "../support/mod.rs"]
+mod support;
+
+#[cfg(feature = "axum")]
+mod axum;
+mod bad_input;
+mod fingerprint;
+mod grpc;
+mod key_sources;
+mod layer;
+mod vary;
