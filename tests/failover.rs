@@ -12,23 +12,18 @@ mod support;
 use support::failover as failover_harness;
 use support::load;
 use support::redis_harness;
+use support::storm::{self, Figures};
 
-use std::collections::HashMap;
 use std::num::NonZeroU32;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use failover_harness::{wait_for, SwitchProxy, Topology, MASTER};
-use http::StatusCode;
-use load::{answer, env_num, keyed, run_id, service, Ledger};
+use load::{env_num, run_id};
 use redis_harness::RedisServer;
-use tower::ServiceExt;
 use tower_idempotency::conformance::{fp, unique_id};
 use tower_idempotency::store::redis::{RedisStore, SetupError};
 use tower_idempotency::store::{ClaimOutcome, ClaimRequest, IdempotencyStore, StoreErrorKind};
-use tower_idempotency::Timing;
 
 /// The lease of the storms, as in issue 27's trials.
 const LEASE: Duration = Duration::from_secs(3);
@@ -241,98 +236,6 @@ async fn sentinel_setup_refuses_an_unknown_master_and_a_wait_the_topology_cannot
     assert_eq!(redis_harness::cli(primary, &["exists", &key]).trim(), "1");
 }
 
-/// What one storm across a failover saw.
-#[derive(Debug, Default)]
-struct Figures {
-    requests: u64,
-    /// Keys some client got a 201 for.
-    acknowledged: u64,
-    /// Runs of the inner service, over all keys (the check afterwards included).
-    executions: u64,
-    /// Acknowledged keys whose answer, asked for again after the failover, was not the first
-    /// one byte for byte.
-    lost: u64,
-    /// Keys whose two clients got two different 201s.
-    mismatched: u64,
-    /// Keys no client got an answer for within the per-key deadline.
-    unanswered: u64,
-    /// The longest time without any 201, from the fault on.
-    outage: Duration,
-    /// From the fault until every Sentinel named the new primary.
-    promoted_after: Duration,
-}
-
-impl Figures {
-    fn duplicates(&self) -> i64 {
-        self.executions as i64 - self.acknowledged as i64
-    }
-}
-
-impl std::fmt::Display for Figures {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "{} requests, {} acknowledged keys, {} executions, {} duplicates, {} lost \
-             acknowledged answers, {} mismatched, {} unanswered, outage {:.1} s (promotion \
-             seen after {:.1} s)",
-            self.requests,
-            self.acknowledged,
-            self.executions,
-            self.duplicates(),
-            self.lost,
-            self.mismatched,
-            self.unanswered,
-            self.outage.as_secs_f64(),
-            self.promoted_after.as_secs_f64()
-        )
-    }
-}
-
-#[derive(Default)]
-struct Tally {
-    requests: AtomicU64,
-    unanswered: AtomicU64,
-    mismatched: AtomicU64,
-    /// The first 201 body per key.
-    acked: Mutex<HashMap<String, Bytes>>,
-    /// When each 201 arrived.
-    successes: Mutex<Vec<Instant>>,
-}
-
-const BODY: &str = r#"{"amount":1250,"currency":"EUR"}"#;
-
-/// Sends `key` until a 201, retrying 409 and 503 every 50 ms, for at most the lease plus
-/// 40 s: a request caught by the failover may wait out its lease recording its answer, and
-/// the outage can last 15 s more.
-async fn send_until_answered(svc: load::Svc, key: String, tally: Arc<Tally>, lease: Duration) {
-    let deadline = Instant::now() + lease + Duration::from_secs(40);
-    loop {
-        tally.requests.fetch_add(1, Ordering::Relaxed);
-        let res = svc.clone().oneshot(keyed(&key, BODY, 5)).await.unwrap();
-        let (status, _, body) = answer(res).await;
-        if status == StatusCode::CREATED {
-            tally.successes.lock().unwrap().push(Instant::now());
-            let mut acked = tally.acked.lock().unwrap();
-            match acked.get(&key) {
-                Some(first) if *first != body => {
-                    tally.mismatched.fetch_add(1, Ordering::Relaxed);
-                }
-                Some(_) => {}
-                None => {
-                    acked.insert(key, body);
-                }
-            }
-            return;
-        }
-        if Instant::now() > deadline {
-            tally.unanswered.fetch_add(1, Ordering::Relaxed);
-            return;
-        }
-        // A client's retry pacing.
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Fault {
     /// `kill -9` of the primary; it restarts empty once a replica is promoted.
@@ -341,124 +244,32 @@ enum Fault {
     Forced,
 }
 
-/// 16 clients send fresh keys, each key twice at once, retrying, while `fault` hits the
-/// primary; once a 201 came through the new primary the load runs 1 s more and stops. Then
-/// every acknowledged key is sent once more: it must replay its first answer.
+/// The shared storm ([`storm::storm`]) with `fault` hitting the primary.
 async fn storm(
     topology: &mut Topology,
     store: RedisStore,
     fault: Fault,
     lease: Duration,
 ) -> Figures {
-    let ledger = Arc::new(Ledger::default());
-    let retention = Timing::new(lease, TTL).unwrap();
-    let svc = service(Arc::new(store), retention, ledger.clone());
-    let tally = Arc::new(Tally::default());
-    let stop = Arc::new(AtomicBool::new(false));
-    let next = Arc::new(AtomicU64::new(0));
-    let run = run_id("storm");
-    let workers: Vec<_> = (0..16)
-        .map(|_| {
-            let (svc, tally, stop, next, run) = (
-                svc.clone(),
-                tally.clone(),
-                stop.clone(),
-                next.clone(),
-                run.clone(),
-            );
-            tokio::spawn(async move {
-                let mut keys = Vec::new();
-                while !stop.load(Ordering::Relaxed) {
-                    let key = format!("{run}-{}", next.fetch_add(1, Ordering::Relaxed));
-                    let a = send_until_answered(svc.clone(), key.clone(), tally.clone(), lease);
-                    let b = send_until_answered(svc.clone(), key.clone(), tally.clone(), lease);
-                    tokio::join!(a, b);
-                    keys.push(key);
-                }
-                keys
-            })
-        })
-        .collect();
-    // The storm runs on the old primary for a while first.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    let old = topology.primary_port();
-    let fault_at = Instant::now();
-    match fault {
-        Fault::Crash => topology.primary_mut().stop(),
-        Fault::Forced => {
-            let reply = topology.sentinels[0].cli(&["sentinel", "failover", MASTER]);
-            assert!(reply.contains("OK"), "SENTINEL FAILOVER: {reply}");
-        }
-    }
-    let promoted =
-        tokio::task::block_in_place(|| topology.wait_for_new_primary(old, Duration::from_secs(30)));
-    let promoted_at = Instant::now();
-    if fault == Fault::Crash {
-        // Back, empty: Sentinel turns it into a replica of the new primary.
-        let node = topology.nodes.iter_mut().find(|n| n.port() == old).unwrap();
-        node.restart();
-    }
-    // Wait (bounded) for a 201 answered after the promotion, then let the load run on.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !tally
-        .successes
-        .lock()
-        .unwrap()
-        .iter()
-        .any(|t| *t > promoted_at)
-    {
-        assert!(
-            Instant::now() < deadline,
-            "no request succeeded within 60 s of the promotion of {promoted}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    stop.store(true, Ordering::Relaxed);
-    let mut keys = Vec::new();
-    for w in workers {
-        keys.extend(w.await.unwrap());
-    }
-
-    let mut figures = Figures {
-        requests: tally.requests.load(Ordering::Relaxed),
-        mismatched: tally.mismatched.load(Ordering::Relaxed),
-        unanswered: tally.unanswered.load(Ordering::Relaxed),
-        promoted_after: promoted_at - fault_at,
-        ..Figures::default()
-    };
-    let mut times = tally.successes.lock().unwrap().clone();
-    times.sort();
-    let mut last = fault_at;
-    for t in times.into_iter().filter(|t| *t > fault_at) {
-        figures.outage = figures.outage.max(t - last);
-        last = t;
-    }
-    // Every acknowledged answer, asked for again: replayed byte for byte, or lost.
-    let acked = tally.acked.lock().unwrap().clone();
-    figures.acknowledged = acked.len() as u64;
-    for (key, first) in &acked {
-        // A key left in progress answers once its lease lapses.
-        let deadline = Instant::now() + lease + Duration::from_secs(10);
-        loop {
-            let res = svc.clone().oneshot(keyed(key, BODY, 0)).await.unwrap();
-            let (status, replayed, body) = answer(res).await;
-            match status {
-                StatusCode::CREATED => {
-                    if !(replayed && body == *first) {
-                        figures.lost += 1;
-                    }
-                    break;
-                }
-                _ if Instant::now() < deadline => {
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-                other => panic!("{key}: still {other} a lease after the failover"),
+    storm::storm(Arc::new(store), lease, async || {
+        let old = topology.primary_port();
+        match fault {
+            Fault::Crash => topology.primary_mut().stop(),
+            Fault::Forced => {
+                let reply = topology.sentinels[0].cli(&["sentinel", "failover", MASTER]);
+                assert!(reply.contains("OK"), "SENTINEL FAILOVER: {reply}");
             }
         }
-    }
-    figures.executions = keys.iter().map(|k| ledger.runs(k) as u64).sum();
-    figures
+        tokio::task::block_in_place(|| topology.wait_for_new_primary(old, Duration::from_secs(30)));
+        let promoted_at = Instant::now();
+        if fault == Fault::Crash {
+            // Back, empty: Sentinel turns it into a replica of the new primary.
+            let node = topology.nodes.iter_mut().find(|n| n.port() == old).unwrap();
+            node.restart();
+        }
+        promoted_at
+    })
+    .await
 }
 
 fn trials() -> u64 {

@@ -2,7 +2,7 @@
 //! layer, answers, the per-key check, and stores with their own key space.
 #![allow(dead_code, unreachable_pub)]
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -12,7 +12,7 @@ use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::Full;
 use tower::{service_fn, util::BoxCloneService, Layer};
-use tower_idempotency::store::IdempotencyStore;
+use tower_idempotency::store::{IdempotencyStore, RecordId};
 use tower_idempotency::{IdempotencyLayer, RequestBody, ResponseBody, Timing};
 
 use super::{body_bytes, post};
@@ -62,6 +62,23 @@ impl Ledger {
 /// The inner service: records the execution, waits `x-latency-ms`, answers 201 with a body
 /// unique to this execution (so two executions can never look like one).
 pub fn service(store: Arc<dyn IdempotencyStore>, timing: Timing, ledger: Arc<Ledger>) -> Svc {
+    service_with(IdempotencyLayer::from_arc(store), timing, ledger)
+}
+
+/// [`service`] with the abandoned-key hook on: the record ids of the keys it names.
+pub fn service_hearing_abandoned(
+    store: Arc<dyn IdempotencyStore>,
+    timing: Timing,
+    ledger: Arc<Ledger>,
+    heard: Arc<Mutex<HashSet<RecordId>>>,
+) -> Svc {
+    let layer = IdempotencyLayer::from_arc(store).with_abandoned_hook(move |a| {
+        heard.lock().unwrap().insert(a.record);
+    });
+    service_with(layer, timing, ledger)
+}
+
+fn service_with(layer: IdempotencyLayer, timing: Timing, ledger: Arc<Ledger>) -> Svc {
     let inner = service_fn(move |req: Request<RequestBody<Full<Bytes>>>| {
         let ledger = ledger.clone();
         async move {
@@ -85,12 +102,7 @@ pub fn service(store: Arc<dyn IdempotencyStore>, timing: Timing, ledger: Arc<Led
             Ok::<_, Infallible>(res)
         }
     });
-    BoxCloneService::new(
-        IdempotencyLayer::from_arc(store)
-            .unscoped()
-            .with_timing(timing)
-            .layer(inner),
-    )
+    BoxCloneService::new(layer.unscoped().with_timing(timing).layer(inner))
 }
 
 pub fn keyed(key: &str, body: &str, latency_ms: u64) -> Request<Full<Bytes>> {
