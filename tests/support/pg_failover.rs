@@ -185,7 +185,8 @@ impl Drop for PgNode {
     }
 }
 
-/// A primary and one streaming (asynchronous) standby.
+/// A primary and one streaming standby, asynchronous unless made with
+/// [`PgPair::start_sync`].
 pub struct PgPair {
     pub primary: PgNode,
     pub standby: PgNode,
@@ -250,6 +251,40 @@ impl PgPair {
             standby,
             dir,
         };
+        Some(pair)
+    }
+
+    /// [`start`](Self::start), then the standby made synchronous
+    /// (`synchronous_standby_names = '*'`, `synchronous_commit = on`): the primary
+    /// acknowledges a commit only once the standby has flushed it. Waits until
+    /// `pg_stat_replication` says `sync`.
+    pub fn start_sync() -> Option<Self> {
+        let pair = Self::start()?;
+        let psql = |sql: &str| -> String {
+            let out = Command::new(Path::new(BIN).join("psql"))
+                .args(["-h", "127.0.0.1", "-p", &pair.primary.port.to_string()])
+                .args(["-U", "postgres", "-d", "postgres", "-tAc", sql])
+                .stdin(Stdio::null())
+                .output()
+                .expect("run psql");
+            assert!(
+                out.status.success(),
+                "psql {sql}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            String::from_utf8_lossy(&out.stdout).trim().to_owned()
+        };
+        psql("ALTER SYSTEM SET synchronous_standby_names = '*'");
+        psql("SELECT pg_reload_conf()");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while psql("SELECT count(*) FROM pg_stat_replication WHERE sync_state = 'sync'") != "1" {
+            assert!(
+                Instant::now() < deadline,
+                "the standby never became synchronous"
+            );
+            // Waiting for a server's state, not ordering tasks.
+            std::thread::sleep(Duration::from_millis(50));
+        }
         Some(pair)
     }
 }
