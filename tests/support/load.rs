@@ -48,6 +48,11 @@ impl Ledger {
         self.runs.lock().unwrap().get(key).copied().unwrap_or(0)
     }
 
+    /// Runs over all keys.
+    pub fn total(&self) -> u64 {
+        self.runs.lock().unwrap().values().map(|n| *n as u64).sum()
+    }
+
     /// Keys that ran more than once.
     pub fn duplicates(&self) -> usize {
         self.runs

@@ -18,6 +18,7 @@ pub mod redis_harness;
 #[cfg(feature = "redis")]
 pub mod redis_quota;
 pub mod rng;
+pub mod shop;
 pub mod storm;
 
 use std::sync::atomic::{AtomicUsize, Ordering};

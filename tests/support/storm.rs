@@ -6,6 +6,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 use std::collections::{HashMap, HashSet};
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -16,7 +17,7 @@ use tower::ServiceExt;
 use tower_idempotency::store::{IdempotencyStore, RecordId};
 use tower_idempotency::Timing;
 
-use super::load::{self, answer, keyed, run_id, Ledger};
+use super::load::{self, answer, keyed, run_id, Answer, Ledger};
 
 const TTL: Duration = Duration::from_secs(600);
 
@@ -45,6 +46,8 @@ pub struct Figures {
     /// Of those, keys the abandoned-key hook never named: a run again that the application
     /// cannot learn of to reconcile.
     pub reran_unheard: u64,
+    /// Whether the two above were counted: the target sees the hook.
+    pub hook_seen: bool,
 }
 
 impl Figures {
@@ -59,7 +62,7 @@ impl std::fmt::Display for Figures {
             f,
             "{} requests, {} acknowledged keys, {} executions, {} duplicates, {} lost \
              acknowledged answers, {} mismatched, {} unanswered, outage {:.1} s (promotion \
-             seen after {:.1} s), {} keys run again, {} of them unheard by the abandoned-key hook",
+             seen after {:.1} s)",
             self.requests,
             self.acknowledged,
             self.executions,
@@ -69,9 +72,15 @@ impl std::fmt::Display for Figures {
             self.unanswered,
             self.outage.as_secs_f64(),
             self.promoted_after.as_secs_f64(),
-            self.reran,
-            self.reran_unheard
-        )
+        )?;
+        if self.hook_seen {
+            write!(
+                f,
+                ", {} keys run again, {} of them unheard by the abandoned-key hook",
+                self.reran, self.reran_unheard
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -91,13 +100,18 @@ const BODY: &str = r#"{"amount":1250,"currency":"EUR"}"#;
 /// Sends `key` until a 201, retrying 409 and 503 every 50 ms, for at most the lease plus
 /// 40 s: a request caught by the failover may wait out its lease recording its answer, and
 /// the outage can last 15 s more.
-async fn send_until_answered(svc: load::Svc, key: String, tally: Arc<Tally>, lease: Duration) {
+async fn send_until_answered<T: Target>(
+    target: Arc<T>,
+    key: String,
+    client: usize,
+    tally: Arc<Tally>,
+    lease: Duration,
+) {
     let deadline = Instant::now() + lease + Duration::from_secs(40);
     loop {
         tally.requests.fetch_add(1, Ordering::Relaxed);
-        let res = svc.clone().oneshot(keyed(&key, BODY, 5)).await.unwrap();
-        let (status, _, body) = answer(res).await;
-        if status == StatusCode::CREATED {
+        let got = target.send(&key, client).await;
+        if let Some((StatusCode::CREATED, _, body)) = got {
             tally.successes.lock().unwrap().push(Instant::now());
             let mut acked = tally.acked.lock().unwrap();
             match acked.get(&key) {
@@ -120,26 +134,89 @@ async fn send_until_answered(svc: load::Svc, key: String, tally: Arc<Tally>, lea
     }
 }
 
-/// Runs the storm on `store`: 1.5 s on the healthy store, then `fault`, which returns once the
-/// new primary is in place; once a 201 came after that the load runs 1 s more and stops.
-/// Then every acknowledged key is sent once more: it must replay its first answer.
+/// Where a storm's requests go: the layer in-process ([`Layer`]), or shop processes.
+pub trait Target: Send + Sync + 'static {
+    /// One attempt with `key` by the key's client `client` (0 or 1); `None` when no answer
+    /// came (the connection was lost).
+    fn send(&self, key: &str, client: usize) -> impl Future<Output = Option<Answer>> + Send;
+    /// Runs of the work so far, over all keys.
+    fn executions(&self) -> impl Future<Output = u64> + Send;
+    /// Of `keys`, how many ran more than once and how many of those the abandoned-key hook
+    /// did not name; `None` where the hook cannot be seen.
+    fn reran(&self, keys: &[String]) -> Option<(u64, u64)>;
+}
+
+/// The layer in-process over a store, with the load harness's counting service (5 ms of
+/// work per request) and the abandoned-key hook recorded.
+pub struct Layer {
+    // A BoxCloneService is Send but not Sync; each request clones it out.
+    svc: Mutex<load::Svc>,
+    ledger: Arc<Ledger>,
+    heard: Arc<Mutex<HashSet<RecordId>>>,
+}
+
+impl Layer {
+    pub fn new(store: Arc<dyn IdempotencyStore>, lease: Duration) -> Self {
+        let ledger = Arc::new(Ledger::default());
+        let heard = Arc::new(Mutex::new(HashSet::new()));
+        let timing = Timing::new(lease, TTL).unwrap();
+        let svc = load::service_hearing_abandoned(store, timing, ledger.clone(), heard.clone());
+        Layer {
+            svc: Mutex::new(svc),
+            ledger,
+            heard,
+        }
+    }
+}
+
+impl Target for Layer {
+    async fn send(&self, key: &str, _client: usize) -> Option<Answer> {
+        let svc = self.svc.lock().unwrap().clone();
+        let res = svc.oneshot(keyed(key, BODY, 5)).await.unwrap();
+        Some(answer(res).await)
+    }
+
+    async fn executions(&self) -> u64 {
+        self.ledger.total()
+    }
+
+    fn reran(&self, keys: &[String]) -> Option<(u64, u64)> {
+        let heard = self.heard.lock().unwrap();
+        let again: Vec<_> = keys.iter().filter(|k| self.ledger.runs(k) > 1).collect();
+        let unheard = again
+            .iter()
+            .filter(|k| !heard.contains(&RecordId::new(None, k)))
+            .count();
+        Some((again.len() as u64, unheard as u64))
+    }
+}
+
+/// [`storm_on`] the layer over `store`.
 pub async fn storm(
     store: Arc<dyn IdempotencyStore>,
     lease: Duration,
     fault: impl AsyncFnOnce() -> Instant,
 ) -> Figures {
-    let ledger = Arc::new(Ledger::default());
-    let heard = Arc::new(Mutex::new(HashSet::new()));
-    let timing = Timing::new(lease, TTL).unwrap();
-    let svc = load::service_hearing_abandoned(store, timing, ledger.clone(), heard.clone());
+    storm_on(Arc::new(Layer::new(store, lease)), lease, fault).await
+}
+
+/// Runs the storm on `target`: 1.5 s on the healthy store, then `fault`, which returns once
+/// the new primary is in place; once a 201 came after that the load runs 1 s more and stops.
+/// Then every acknowledged key is sent once more: it must replay its first answer.
+pub async fn storm_on<T: Target>(
+    target: Arc<T>,
+    lease: Duration,
+    fault: impl AsyncFnOnce() -> Instant,
+) -> Figures {
+    let executions_before = target.executions().await;
     let tally = Arc::new(Tally::default());
     let stop = Arc::new(AtomicBool::new(false));
     let next = Arc::new(AtomicU64::new(0));
     let run = run_id("storm");
     let workers: Vec<_> = (0..16)
         .map(|_| {
-            let (svc, tally, stop, next, run) = (
-                svc.clone(),
+            let (target, tally, stop, next, run) = (
+                target.clone(),
                 tally.clone(),
                 stop.clone(),
                 next.clone(),
@@ -149,8 +226,10 @@ pub async fn storm(
                 let mut keys = Vec::new();
                 while !stop.load(Ordering::Relaxed) {
                     let key = format!("{run}-{}", next.fetch_add(1, Ordering::Relaxed));
-                    let a = send_until_answered(svc.clone(), key.clone(), tally.clone(), lease);
-                    let b = send_until_answered(svc.clone(), key.clone(), tally.clone(), lease);
+                    let a =
+                        send_until_answered(target.clone(), key.clone(), 0, tally.clone(), lease);
+                    let b =
+                        send_until_answered(target.clone(), key.clone(), 1, tally.clone(), lease);
                     tokio::join!(a, b);
                     keys.push(key);
                 }
@@ -205,10 +284,8 @@ pub async fn storm(
         // A key left in progress answers once its lease lapses.
         let deadline = Instant::now() + lease + Duration::from_secs(10);
         loop {
-            let res = svc.clone().oneshot(keyed(key, BODY, 0)).await.unwrap();
-            let (status, replayed, body) = answer(res).await;
-            match status {
-                StatusCode::CREATED => {
+            match target.send(key, 0).await {
+                Some((StatusCode::CREATED, replayed, body)) => {
                     if !(replayed && body == *first) {
                         figures.lost += 1;
                     }
@@ -217,17 +294,13 @@ pub async fn storm(
                 _ if Instant::now() < deadline => {
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
-                other => panic!("{key}: still {other} a lease after the failover"),
+                other => panic!("{key}: still {other:?} a lease after the failover"),
             }
         }
     }
-    figures.executions = keys.iter().map(|k| ledger.runs(k) as u64).sum();
-    let heard = heard.lock().unwrap();
-    for key in keys.iter().filter(|k| ledger.runs(k) > 1) {
-        figures.reran += 1;
-        if !heard.contains(&RecordId::new(None, key)) {
-            figures.reran_unheard += 1;
-        }
+    figures.executions = target.executions().await - executions_before;
+    if let Some((reran, unheard)) = target.reran(&keys) {
+        (figures.reran, figures.reran_unheard, figures.hook_seen) = (reran, unheard, true);
     }
     figures
 }
