@@ -1,6 +1,8 @@
 //! Redis failover: a store that follows its primary (a demoted node behind a URL, Sentinel),
 //! setup errors that name the fix, and duplicate storms across a primary crash and a forced
-//! failover, counting duplicates and lost acknowledged answers.
+//! failover, counting duplicates and lost acknowledged answers: through the layer in-process,
+//! and through one and two processes of the shop example on `redis+sentinel://` (the binary
+//! `cargo test --all-features` builds; alone, `cargo build --example shop --all-features`).
 //!
 //! Each test starts its own servers on free loopback ports (a primary, replicas, three
 //! Sentinels) and stops them when it ends. The storms run once per scenario;
@@ -12,6 +14,7 @@ mod support;
 use support::failover as failover_harness;
 use support::load;
 use support::redis_harness;
+use support::shop::{self, Answer, Http, Shop};
 use support::storm::{self, Figures};
 
 use std::num::NonZeroU32;
@@ -244,6 +247,26 @@ enum Fault {
     Forced,
 }
 
+/// Hits the primary with `fault`; returns once every Sentinel names the new primary.
+async fn hit(topology: &mut Topology, fault: Fault) -> Instant {
+    let old = topology.primary_port();
+    match fault {
+        Fault::Crash => topology.primary_mut().stop(),
+        Fault::Forced => {
+            let reply = topology.sentinels[0].cli(&["sentinel", "failover", MASTER]);
+            assert!(reply.contains("OK"), "SENTINEL FAILOVER: {reply}");
+        }
+    }
+    tokio::task::block_in_place(|| topology.wait_for_new_primary(old, Duration::from_secs(30)));
+    let promoted_at = Instant::now();
+    if fault == Fault::Crash {
+        // Back, empty: Sentinel turns it into a replica of the new primary.
+        let node = topology.nodes.iter_mut().find(|n| n.port() == old).unwrap();
+        node.restart();
+    }
+    promoted_at
+}
+
 /// The shared storm ([`storm::storm`]) with `fault` hitting the primary.
 async fn storm(
     topology: &mut Topology,
@@ -251,25 +274,7 @@ async fn storm(
     fault: Fault,
     lease: Duration,
 ) -> Figures {
-    storm::storm(Arc::new(store), lease, async || {
-        let old = topology.primary_port();
-        match fault {
-            Fault::Crash => topology.primary_mut().stop(),
-            Fault::Forced => {
-                let reply = topology.sentinels[0].cli(&["sentinel", "failover", MASTER]);
-                assert!(reply.contains("OK"), "SENTINEL FAILOVER: {reply}");
-            }
-        }
-        tokio::task::block_in_place(|| topology.wait_for_new_primary(old, Duration::from_secs(30)));
-        let promoted_at = Instant::now();
-        if fault == Fault::Crash {
-            // Back, empty: Sentinel turns it into a replica of the new primary.
-            let node = topology.nodes.iter_mut().find(|n| n.port() == old).unwrap();
-            node.restart();
-        }
-        promoted_at
-    })
-    .await
+    storm::storm(Arc::new(store), lease, async || hit(topology, fault).await).await
 }
 
 fn trials() -> u64 {
@@ -372,4 +377,89 @@ async fn failovers_without_wait_are_measured() {
             eprintln!("FIGURES {fault:?}, no WAIT, trial {trial}: {f}");
         }
     }
+}
+
+/// Shop processes on one store; with two, a key's two clients are on different processes.
+struct Shops {
+    shops: Vec<Shop>,
+    http: Http,
+    api_key: String,
+}
+
+impl storm::Target for Shops {
+    async fn send(&self, key: &str, client: usize) -> Option<Answer> {
+        let port = self.shops[client % self.shops.len()].port;
+        shop::pay(&self.http, port, &self.api_key, key, 1250)
+            .await
+            .ok()
+    }
+
+    async fn executions(&self) -> u64 {
+        let mut total = 0;
+        for s in &self.shops {
+            total += shop::charges(&self.http, s.port).await;
+        }
+        total
+    }
+
+    /// The shops log the keys the hook names; the test does not read their logs.
+    fn reran(&self, _: &[String]) -> Option<(u64, u64)> {
+        None
+    }
+}
+
+/// The shop as an operator runs it: `IDEMPOTENCY_STORE=redis+sentinel://…` with
+/// `IDEMPOTENCY_REDIS_WAIT=1:200`, in `processes` processes. A storm across a primary kill,
+/// then, with the same processes (no restart), one across a forced failover. The kill with
+/// `WAIT 1` is promised 0 duplicates and 0 lost; the forced failover with `WAIT 1` of 2 is
+/// not, so only that every key was answered is asserted there.
+async fn shops_across_a_kill_then_a_forced_failover(processes: usize) {
+    let _serial = serial().await;
+    for trial in 0..trials() {
+        let Some(mut topology) = Topology::start(2) else {
+            return;
+        };
+        let url = topology.sentinel_url();
+        let env = [("IDEMPOTENCY_REDIS_WAIT", "1:200")];
+        let lease_ms = LEASE.as_millis() as u64;
+        let mut shops = Vec::new();
+        for _ in 0..processes {
+            shops.push(Shop::start_with(&url, lease_ms, 5, &env).await);
+        }
+        let shops = Arc::new(Shops {
+            shops,
+            http: shop::client(),
+            api_key: shop::unique("failover-shops"),
+        });
+        let f = storm::storm_on(shops.clone(), LEASE, async || {
+            hit(&mut topology, Fault::Crash).await
+        })
+        .await;
+        eprintln!("FIGURES {processes} shop processes, crash, WAIT 1 of 2, trial {trial}: {f}");
+        assert_eq!(f.duplicates(), 0, "{f}");
+        assert_eq!(f.lost, 0, "{f}");
+        assert_eq!(f.mismatched + f.unanswered, 0, "{f}");
+        assert!(f.outage <= Duration::from_secs(5), "{f}");
+
+        // The killed node is back as a replica; the same shop processes go on.
+        tokio::task::block_in_place(|| topology.wait_until_settled(2));
+        let f = storm::storm_on(shops.clone(), LEASE, async || {
+            hit(&mut topology, Fault::Forced).await
+        })
+        .await;
+        eprintln!(
+            "FIGURES {processes} shop processes, then a forced failover, WAIT 1 of 2, trial {trial}: {f}"
+        );
+        assert_eq!(f.unanswered, 0, "{f}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_shop_process_on_sentinel_survives_a_primary_kill_then_a_forced_failover() {
+    shops_across_a_kill_then_a_forced_failover(1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_shop_processes_on_sentinel_survive_a_primary_kill_then_a_forced_failover() {
+    shops_across_a_kill_then_a_forced_failover(2).await;
 }
