@@ -14,7 +14,7 @@ mod support;
 use support::failover as failover_harness;
 use support::load;
 use support::redis_harness;
-use support::shop::{self, Answer, Http, Shop};
+use support::shop::Shops;
 use support::storm::{self, Figures};
 
 use std::num::NonZeroU32;
@@ -379,35 +379,6 @@ async fn failovers_without_wait_are_measured() {
     }
 }
 
-/// Shop processes on one store; with two, a key's two clients are on different processes.
-struct Shops {
-    shops: Vec<Shop>,
-    http: Http,
-    api_key: String,
-}
-
-impl storm::Target for Shops {
-    async fn send(&self, key: &str, client: usize) -> Option<Answer> {
-        let port = self.shops[client % self.shops.len()].port;
-        shop::pay(&self.http, port, &self.api_key, key, 1250)
-            .await
-            .ok()
-    }
-
-    async fn executions(&self) -> u64 {
-        let mut total = 0;
-        for s in &self.shops {
-            total += shop::charges(&self.http, s.port).await;
-        }
-        total
-    }
-
-    /// The shops log the keys the hook names; the test does not read their logs.
-    fn reran(&self, _: &[String]) -> Option<(u64, u64)> {
-        None
-    }
-}
-
 /// The shop as an operator runs it: `IDEMPOTENCY_STORE=redis+sentinel://…` with
 /// `IDEMPOTENCY_REDIS_WAIT=1:200`, in `processes` processes. A storm across a primary kill,
 /// then, with the same processes (no restart), one across a forced failover. The kill with
@@ -422,15 +393,7 @@ async fn shops_across_a_kill_then_a_forced_failover(processes: usize) {
         let url = topology.sentinel_url();
         let env = [("IDEMPOTENCY_REDIS_WAIT", "1:200")];
         let lease_ms = LEASE.as_millis() as u64;
-        let mut shops = Vec::new();
-        for _ in 0..processes {
-            shops.push(Shop::start_with(&url, lease_ms, 5, &env).await);
-        }
-        let shops = Arc::new(Shops {
-            shops,
-            http: shop::client(),
-            api_key: shop::unique("failover-shops"),
-        });
+        let shops = Arc::new(Shops::start(processes, &url, lease_ms, &env).await);
         let f = storm::storm_on(shops.clone(), LEASE, async || {
             hit(&mut topology, Fault::Crash).await
         })

@@ -13,6 +13,8 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
 
+use super::storm;
+
 pub type Http = Client<HttpConnector, Full<Bytes>>;
 pub type Answer = (StatusCode, bool, Bytes);
 
@@ -146,4 +148,47 @@ pub async fn charges(http: &Http, port: u16) -> u64 {
     let body = http.request(req).await.unwrap().into_body().collect().await;
     let v: serde_json::Value = serde_json::from_slice(&body.unwrap().to_bytes()).unwrap();
     v["count"].as_u64().unwrap()
+}
+
+/// Shop processes on one store, as a storm's target; with two, a key's two clients are on
+/// different processes.
+pub struct Shops {
+    shops: Vec<Shop>,
+    http: Http,
+    api_key: String,
+}
+
+impl Shops {
+    /// `processes` shops on `store` (card latency 5 ms), with `env` set in each.
+    pub async fn start(processes: usize, store: &str, lease_ms: u64, env: &[(&str, &str)]) -> Self {
+        let mut shops = Vec::new();
+        for _ in 0..processes {
+            shops.push(Shop::start_with(store, lease_ms, 5, env).await);
+        }
+        Shops {
+            shops,
+            http: client(),
+            api_key: unique("storm-shops"),
+        }
+    }
+}
+
+impl storm::Target for Shops {
+    async fn send(&self, key: &str, client: usize) -> Option<Answer> {
+        let port = self.shops[client % self.shops.len()].port;
+        pay(&self.http, port, &self.api_key, key, 1250).await.ok()
+    }
+
+    async fn executions(&self) -> u64 {
+        let mut total = 0;
+        for s in &self.shops {
+            total += charges(&self.http, s.port).await;
+        }
+        total
+    }
+
+    /// The shops log the keys the hook names; the tests do not read their logs.
+    fn reran(&self, _: &[String]) -> Option<(u64, u64)> {
+        None
+    }
 }
