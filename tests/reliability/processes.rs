@@ -3,8 +3,9 @@
 //! its lease. `cargo test --all-features` builds the binary; alone, run
 //! `cargo build --example shop --all-features` first.
 use crate::support::backend as common;
+use crate::support::load::run_id;
 use crate::support::rng;
-use crate::support::shop::{charges, client, pay, unique, Answer, Http, Shop};
+use crate::support::shop::{charges, client, pay, Answer, Http, Shop};
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -32,7 +33,7 @@ async fn storms_over_two_processes(store: &str, label: &str) {
     let ports = [a.port, b.port];
     let http = client();
     let mut rng = Rng::from_env(label);
-    let api_key = unique(label);
+    let api_key = run_id(label);
     let mut requests = 0;
     for trial in 0..trials {
         let n = rng.range(2, 64) as usize;
@@ -134,7 +135,7 @@ async fn hold(http: &Http, port: u16, api_key: &str, key: &str) -> InFlight {
 /// takeover, then only replays of the takeover's answer.
 async fn crash(store: &str, label: &str) {
     let http = client();
-    let api_key = unique(label);
+    let api_key = run_id(label);
     let key = "crash";
     // The charge takes 10 s: the kill lands while the handler runs.
     let mut a = Shop::start(store, LEASE_MS, 10_000).await;
@@ -194,7 +195,7 @@ async fn a_killed_holder_is_taken_over_once_after_its_lease_on_postgres() {
 /// replays the new holder's answer.
 async fn pause(store: &str, label: &str) {
     let http = client();
-    let api_key = unique(label);
+    let api_key = run_id(label);
     // The charge takes 3 s, so A is still inside it when it is stopped.
     let a = Shop::start(store, LEASE_MS, 3000).await;
     let b = Shop::start(store, LEASE_MS, 50).await;

@@ -13,6 +13,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
 
+use super::load::run_id;
 use super::storm;
 
 pub type Http = Client<HttpConnector, Full<Bytes>>;
@@ -110,14 +111,6 @@ pub fn client() -> Http {
     Client::builder(TokioExecutor::new()).build_http()
 }
 
-pub fn unique(label: &str) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    format!("{label}-{}-{nanos}", std::process::id())
-}
-
 /// A payment on `port`; `Err` when the connection dies without an answer.
 pub async fn pay(
     http: &Http,
@@ -168,7 +161,7 @@ impl Shops {
         Shops {
             shops,
             http: client(),
-            api_key: unique("storm-shops"),
+            api_key: run_id("storm-shops"),
         }
     }
 }
