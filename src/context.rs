@@ -10,6 +10,8 @@ use sha2::{Digest, Sha256};
 
 use crate::config::Config;
 use crate::record::{hex, Completion, Fingerprint, RecordId, Token};
+use crate::recovery::RecoveryPoint;
+use crate::store::{StoreError, StoreErrorKind};
 
 /// Put into the inner request's extensions for every keyed request the layer runs.
 ///
@@ -23,7 +25,8 @@ use crate::record::{hex, Completion, Fingerprint, RecordId, Token};
 /// ```
 #[derive(Clone)]
 pub struct IdempotencyContext {
-    key: Arc<str>,
+    /// `None` in a context the recovery worker built: stores never keep the client's key.
+    key: Option<Arc<str>>,
     scope: Option<Arc<str>>,
     record_id: RecordId,
     fingerprint: Fingerprint,
@@ -32,6 +35,8 @@ pub struct IdempotencyContext {
     config: Arc<Config>,
     /// The request's headers when Vary matching is on: a recorded answer's guard needs them.
     request_headers: Option<Arc<HeaderMap>>,
+    /// The recovery point the claim found (a takeover's), shared by the context's clones.
+    recovery_point: Option<Arc<RecoveryPoint>>,
 }
 
 impl fmt::Debug for IdempotencyContext {
@@ -45,14 +50,16 @@ impl fmt::Debug for IdempotencyContext {
 }
 
 impl IdempotencyContext {
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
-        key: Arc<str>,
+        key: Option<Arc<str>>,
         scope: Option<Arc<str>>,
         record_id: RecordId,
         fingerprint: Fingerprint,
         token: Token,
         config: Arc<Config>,
         request_headers: Option<Arc<HeaderMap>>,
+        recovery_point: Option<RecoveryPoint>,
     ) -> Self {
         Self {
             key,
@@ -62,7 +69,59 @@ impl IdempotencyContext {
             token,
             config,
             request_headers,
+            recovery_point: recovery_point.map(Arc::new),
         }
+    }
+
+    /// The recovery point the attempts before this one saved last, if any: where to resume.
+    /// `None` on a first attempt, and on a takeover of an attempt that saved none (run from
+    /// the start, with every downstream call keyed by [`derive`](Self::derive)).
+    ///
+    /// See the [resumable handlers guide](crate::resumable) for what to put in one.
+    pub fn recovery_point(&self) -> Option<&RecoveryPoint> {
+        self.recovery_point.as_deref()
+    }
+
+    /// Saves where this attempt got to: `step` (1 to [`RecoveryPoint::MAX_STEP`] bytes) and
+    /// `data` (at most [`RecoveryPoint::MAX_DATA`] bytes). An attempt that takes over after
+    /// this one dies gets it from [`recovery_point`](Self::recovery_point), and so does the
+    /// [recovery worker](crate::RecoveryWorker). Each save replaces the one before; the point
+    /// is dropped when the answer is recorded or the claim released.
+    ///
+    /// Fenced by this attempt's claim: once another attempt took over (this one's lease
+    /// lapsed), the save fails with [`StoreErrorKind::Fenced`](crate::store::StoreErrorKind::Fenced)
+    /// and writes nothing. **Stop then**: the other attempt runs the remaining steps. A point
+    /// over a cap fails with [`StoreErrorKind::TooLarge`](crate::store::StoreErrorKind::TooLarge),
+    /// naming the cap, and nothing is stored. A store call that times out is
+    /// [`StoreErrorKind::Unknown`](crate::store::StoreErrorKind::Unknown): the point may or may
+    /// not be saved, so treat it as a failed step (the next save, or the answer, settles it).
+    pub async fn save_recovery_point(
+        &self,
+        step: &str,
+        data: impl Into<Bytes>,
+    ) -> Result<(), StoreError> {
+        let point = self.recovery_point_for(step, data.into())?;
+        let store = &self.config.store;
+        let timeout = self.config.timing.store_timeout();
+        match tokio::time::timeout(
+            timeout,
+            store.save_recovery_point(&self.record_id, &self.token, &point),
+        )
+        .await
+        {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::with_source(
+                StoreErrorKind::Unknown,
+                "saving the recovery point timed out; it may or may not be saved",
+            )),
+        }
+    }
+
+    /// The point [`save_recovery_point`](Self::save_recovery_point) would save, checked
+    /// against the caps: for a store that saves it in the handler's own transaction
+    /// (`PostgresStore::save_recovery_point_in`).
+    pub fn recovery_point_for(&self, step: &str, data: Bytes) -> Result<RecoveryPoint, StoreError> {
+        RecoveryPoint::new(step, data, self.scope(), self.generation())
     }
 
     /// How long the recorded answer is kept: the layer's retention TTL.
@@ -87,9 +146,11 @@ impl IdempotencyContext {
         )
     }
 
-    /// The client's idempotency key.
-    pub fn key(&self) -> &str {
-        &self.key
+    /// The client's idempotency key. `None` in the context the
+    /// [recovery worker](crate::RecoveryWorker) runs a recovery with: stores keep only the
+    /// key's hash.
+    pub fn key(&self) -> Option<&str> {
+        self.key.as_deref()
     }
 
     /// The scope the key lives in; `None` when the layer is unscoped.
@@ -139,12 +200,13 @@ mod tests {
     fn ctx(scope: Option<&str>, key: &str, generation: u64) -> IdempotencyContext {
         let layer = crate::IdempotencyLayer::new(crate::store::MemoryStore::new());
         IdempotencyContext::new(
-            key.into(),
+            Some(key.into()),
             scope.map(Into::into),
             RecordId::new(scope, key),
             Fingerprint::from_bytes([0; 32]),
             Token::from_parts(generation, [7; 16]),
             layer.config,
+            None,
             None,
         )
     }

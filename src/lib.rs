@@ -275,6 +275,7 @@ mod metrics;
 mod policy;
 mod record;
 mod recording;
+mod recovery;
 mod response;
 mod service;
 pub mod store;
@@ -300,6 +301,7 @@ pub use grpc::Grpc;
 pub use key::{Key, KeyPart};
 pub use layer::IdempotencyLayer;
 pub use policy::{DefaultRecordPolicy, RecordDecision, RecordPolicy, ResponseInfo};
+pub use recovery::{BoxError, RecoveryHandle, RecoveryPoint, RecoveryReport, RecoveryWorker};
 pub use response::TTL_HEADER;
 pub use service::{Idempotency, ResponseFuture};
 pub use webhook::{Webhook, DEFAULT_WEBHOOK_TTL};
@@ -383,6 +385,9 @@ pub mod security {}
 
 #[doc = include_str!("docs/guarantees.md")]
 pub mod guarantees {}
+
+#[doc = include_str!("docs/resumable.md")]
+pub mod resumable {}
 
 #[doc = include_str!("docs/webhooks.md")]
 pub mod webhooks_guide {}

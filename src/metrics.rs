@@ -29,6 +29,17 @@ pub(crate) const RECORDED_BODY: &str = "idempotency_recorded_body_bytes";
 #[cfg(feature = "metrics")]
 pub(crate) const WAIT_DURATION: &str = "idempotency_wait_seconds";
 
+/// Records the recovery worker looked at, by outcome: `recovered`, `failed`, `left`, `taken`.
+#[cfg(feature = "metrics")]
+pub(crate) const RECOVERIES: &str = "idempotency_recoveries_total";
+
+/// Counts one record the recovery worker looked at.
+#[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+pub(crate) fn recovery(store: &'static str, outcome: &'static str) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!(RECOVERIES, "outcome" => outcome, "store" => store).increment(1);
+}
+
 /// The labels of one keyed request: route, protocol and store.
 #[derive(Clone, Debug)]
 pub(crate) struct Labels {

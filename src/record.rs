@@ -392,6 +392,8 @@ pub struct Record {
     /// tell: the layer knows its own claim's record by it. A generation alone repeats after
     /// an operator's `force_release` and a new first claim.
     pub holder: Option<Token>,
+    /// The last recovery point an attempt saved, while the record is in progress.
+    pub recovery_point: Option<crate::recovery::RecoveryPoint>,
 }
 
 impl Record {
@@ -402,7 +404,15 @@ impl Record {
             generation,
             state,
             holder: None,
+            recovery_point: None,
         }
+    }
+
+    /// The same record, holding `point` (in progress only).
+    #[must_use]
+    pub fn with_recovery_point(mut self, point: Option<crate::recovery::RecoveryPoint>) -> Self {
+        self.recovery_point = point;
+        self
     }
 
     /// The same record, held (or completed) by `token`'s claim.
@@ -416,6 +426,12 @@ impl Record {
 /// Why stored bytes could not be decoded.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DecodeError(&'static str);
+
+impl DecodeError {
+    pub(crate) const fn new(what: &'static str) -> Self {
+        Self(what)
+    }
+}
 
 impl fmt::Display for DecodeError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

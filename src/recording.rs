@@ -88,6 +88,11 @@ pub(crate) fn legacy_vary_guard(headers: &mut HeaderMap) -> Option<VaryGuard> {
 /// The request header names an answer's `Vary` lists: lower-case, sorted, once each.
 /// `Vary: *` (varies on more than headers) names nothing that can be matched; the scope and
 /// the fingerprint are all that decide then.
+/// Whether an answer's `Vary` names a request header (a guard would be needed).
+pub(crate) fn names_vary(answer: &HeaderMap) -> bool {
+    !vary_names(answer).is_empty()
+}
+
 fn vary_names(answer: &HeaderMap) -> Vec<String> {
     let mut names: Vec<String> = answer
         .get_all(http::header::VARY)

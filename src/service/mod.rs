@@ -226,7 +226,7 @@ type Answer<B, E> = Result<Response<ResponseBody<B>>, E>;
 type Delivery<B, E> = Result<Answer<B, E>, Panic>;
 
 /// Displays an error with its whole source chain: "a: b: c".
-struct Chain<'a>(&'a (dyn std::error::Error + 'static));
+pub(crate) struct Chain<'a>(pub(crate) &'a (dyn std::error::Error + 'static));
 
 impl fmt::Display for Chain<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -609,6 +609,8 @@ impl Keyed {
             token,
             takeover,
             lapsed_for,
+            recovery_point,
+            ..
         }: Claim,
         lease: Lease,
         tx: tokio::sync::oneshot::Sender<Delivery<ResB, S::Error>>,
@@ -646,13 +648,14 @@ impl Keyed {
             .vary_match
             .then(|| Arc::new(parts.headers.clone()));
         let ctx = IdempotencyContext::new(
-            self.key.clone(),
+            Some(self.key.clone()),
             self.scope.clone(),
             self.id,
             self.fp,
             token,
             self.flow.cfg.clone(),
             request_headers.clone(),
+            recovery_point,
         );
         parts.extensions.insert(ctx);
         let req = Request::from_parts(parts, RequestBody::buffered(bytes));

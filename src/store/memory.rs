@@ -30,6 +30,7 @@ use tokio::time::Instant;
 
 use super::{Claim, ClaimOutcome, ClaimRequest, IdempotencyStore, StoreError, StoreErrorKind};
 use crate::record::{Completion, Fingerprint, Record, RecordId, RecordState, ScopeId, Token};
+use crate::recovery::RecoveryPoint;
 
 /// Fixed cost charged per record against `max_bytes`: the map slot (id and [`Entry`], 168
 /// bytes) at the map's average load, rounded up.
@@ -88,6 +89,9 @@ struct Inner {
     scopes: Mutex<HashMap<ScopeId, Usage>>,
     max_scope_records: usize,
     max_scope_bytes: usize,
+    /// Records that saved a recovery point: all [`recoverable`](IdempotencyStore::recoverable)
+    /// looks at. Entries that moved on leave it when next looked at.
+    recoverable: Mutex<std::collections::HashSet<RecordId>>,
 }
 
 /// What one scope holds.
@@ -109,11 +113,15 @@ struct Entry {
     token: Token,
     lease_until: Instant,
     expires_at: Instant,
-    /// The answer in [`Completion::encode`]'s form: one exact-size allocation instead of a
-    /// `HeaderMap` (a few hundred bytes for two headers) and a body.
-    completion: Option<Bytes>,
+    /// Completed: the answer in [`Completion::encode`]'s form, one exact-size allocation
+    /// instead of a `HeaderMap` (a few hundred bytes for two headers) and a body. In
+    /// progress: the recovery point in [`RecoveryPoint::encode`]'s form, if one was saved.
+    /// One slot for both, so a record that never saves a point pays nothing for it.
+    payload: Option<Bytes>,
     /// What the record counts against `max_bytes`.
     size: u32,
+    /// Completed (in the padding after `size`: no extra bytes).
+    done: bool,
     /// The scope it counts against, only when per-scope quotas are set.
     scope: Option<Box<ScopeId>>,
 }
@@ -204,6 +212,7 @@ impl MemoryStoreBuilder {
                 scopes: Mutex::new(HashMap::new()),
                 max_scope_records: self.max_scope_records,
                 max_scope_bytes: self.max_scope_bytes,
+                recoverable: Mutex::new(std::collections::HashSet::new()),
             }),
         }
     }
@@ -347,6 +356,32 @@ impl Inner {
         }
     }
 
+    /// Sets a live record's size, keeping the store's and its scope's byte counts.
+    fn resize(&self, e: &mut Entry, size: u32) {
+        self.bytes.fetch_add(size as usize, Ordering::Relaxed);
+        self.bytes.fetch_sub(e.size as usize, Ordering::Relaxed);
+        if let Some(scope) = &e.scope {
+            if let Some(u) = self.scopes().get_mut(&**scope) {
+                u.bytes = (u.bytes + size as usize).saturating_sub(e.size as usize);
+            }
+        }
+        e.size = size;
+    }
+
+    /// The ids of records that saved a recovery point (some may have moved on since). Locked
+    /// after a shard, like `scopes`.
+    fn indexed(&self) -> MutexGuard<'_, std::collections::HashSet<RecordId>> {
+        self.recoverable.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn index(&self, id: RecordId) {
+        self.indexed().insert(id);
+    }
+
+    fn unindex(&self, id: &RecordId) {
+        self.indexed().remove(id);
+    }
+
     fn scopes(&self) -> MutexGuard<'_, HashMap<ScopeId, Usage>> {
         self.scopes.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -403,17 +438,29 @@ impl Inner {
 
 impl Entry {
     fn record(&self, now: Instant) -> Result<Record, StoreError> {
-        let state = match &self.completion {
+        let state = match &self.payload {
             // The body shares the record's allocation: a replay copies no body.
-            Some(c) => RecordState::Completed(
+            Some(c) if self.done => RecordState::Completed(
                 Completion::decode(c.clone())
                     .map_err(|e| StoreError::with_source(StoreErrorKind::Corrupt, e))?,
             ),
-            None => RecordState::InProgress {
+            _ => RecordState::InProgress {
                 lease_remaining: self.lease_until.saturating_duration_since(now),
             },
         };
-        Ok(Record::new(self.fingerprint, self.token.generation(), state).with_holder(self.token))
+        Ok(Record::new(self.fingerprint, self.token.generation(), state)
+            .with_holder(self.token)
+            .with_recovery_point(self.point()?))
+    }
+
+    /// The recovery point, while in progress.
+    fn point(&self) -> Result<Option<RecoveryPoint>, StoreError> {
+        match &self.payload {
+            Some(p) if !self.done => RecoveryPoint::decode(p.clone())
+                .map(Some)
+                .map_err(|e| StoreError::with_source(StoreErrorKind::Corrupt, e)),
+            _ => Ok(None),
+        }
     }
 }
 
@@ -462,7 +509,7 @@ impl MemoryStore {
         let now = Instant::now();
         if let Some(e) = shard.map.get_mut(id) {
             if e.expires_at > now {
-                let lapsed = e.completion.is_none() && e.lease_until <= now;
+                let lapsed = !e.done && e.lease_until <= now;
                 if lapsed && e.fingerprint == *fingerprint {
                     let token = Token::generate(e.token.generation() + 1)?;
                     let lease_until = after(now, lease);
@@ -470,9 +517,10 @@ impl MemoryStore {
                     e.token = token;
                     e.lease_until = lease_until;
                     e.expires_at = e.expires_at.max(lease_until);
-                    return Ok(Some(ClaimOutcome::Claimed(Claim::takeover(
-                        token, lapsed_for,
-                    ))));
+                    let point = e.point()?;
+                    return Ok(Some(ClaimOutcome::Claimed(
+                        Claim::takeover(token, lapsed_for).with_recovery_point(point),
+                    )));
                 }
                 return Ok(Some(ClaimOutcome::Existing(e.record(now)?)));
             }
@@ -485,8 +533,9 @@ impl MemoryStore {
             token,
             lease_until: after(now, lease),
             expires_at: after(now, ttl.max(lease)),
-            completion: None,
+            payload: None,
             size: ENTRY_OVERHEAD as u32,
+            done: false,
             scope: scope.map(Box::new),
         };
         if self.inner.admit().is_err() {
@@ -558,7 +607,7 @@ impl IdempotencyStore for MemoryStore {
         let mut shard = self.shard(id);
         let now = Instant::now();
         match shard.map.get_mut(id) {
-            Some(e) if e.token == *token && e.completion.is_none() && e.expires_at > now => {
+            Some(e) if e.token == *token && !e.done && e.expires_at > now => {
                 e.lease_until = after(now, lease);
                 e.expires_at = e.expires_at.max(e.lease_until);
                 Ok(())
@@ -580,20 +629,16 @@ impl IdempotencyStore for MemoryStore {
         let mut shard = self.shard(id);
         let now = Instant::now();
         match shard.map.get_mut(id) {
-            Some(e) if e.token == *token && e.completion.is_none() && e.expires_at > now => {
+            Some(e) if e.token == *token && !e.done && e.expires_at > now => {
                 let expires_at = after(now, ttl);
-                self.inner.bytes.fetch_add(size as usize, Ordering::Relaxed);
-                self.inner
-                    .bytes
-                    .fetch_sub(e.size as usize, Ordering::Relaxed);
-                if let Some(scope) = &e.scope {
-                    if let Some(u) = self.inner.scopes().get_mut(&**scope) {
-                        u.bytes = (u.bytes + size as usize).saturating_sub(e.size as usize);
-                    }
-                }
-                e.size = size;
-                e.completion = Some(kept);
+                let had_point = e.payload.is_some();
+                self.inner.resize(e, size);
+                e.payload = Some(kept);
+                e.done = true;
                 e.expires_at = expires_at;
+                if had_point {
+                    self.inner.unindex(id);
+                }
                 self.inner.note_expiry(expires_at);
                 Ok(())
             }
@@ -607,7 +652,10 @@ impl IdempotencyStore for MemoryStore {
         let mut shard = self.shard(id);
         let now = Instant::now();
         match shard.map.get_mut(id) {
-            Some(e) if e.token == *token && e.completion.is_none() && e.expires_at > now => {
+            Some(e) if e.token == *token && !e.done && e.expires_at > now => {
+                if e.payload.is_some() {
+                    self.inner.unindex(id);
+                }
                 if token.generation() == 1 {
                     // A first claim: gone, so a retry runs as a new first attempt.
                     self.inner.remove(&mut shard, id);
@@ -617,6 +665,9 @@ impl IdempotencyStore for MemoryStore {
                     // claim takes over from it.
                     e.token = token.released();
                     e.lease_until = now;
+                    // The point goes with the claim: the next attempt starts over.
+                    e.payload = None;
+                    self.inner.resize(e, ENTRY_OVERHEAD as u32);
                 }
                 Ok(())
             }
@@ -624,9 +675,56 @@ impl IdempotencyStore for MemoryStore {
             None => Ok(()),
             Some(e) if e.expires_at <= now => Ok(()),
             // Kept by this token's earlier release: a resend.
-            Some(e) if e.completion.is_none() && e.token == token.released() => Ok(()),
+            Some(e) if !e.done && e.token == token.released() => Ok(()),
             _ => Err(StoreError::new(StoreErrorKind::Fenced)),
         }
+    }
+
+    async fn save_recovery_point(
+        &self,
+        id: &RecordId,
+        token: &Token,
+        point: &RecoveryPoint,
+    ) -> Result<(), StoreError> {
+        let kept = Bytes::from(point.encode().into_boxed_slice());
+        let size = u32::try_from(ENTRY_OVERHEAD + kept.len() + 16).unwrap_or(u32::MAX);
+        let mut shard = self.shard(id);
+        let now = Instant::now();
+        match shard.map.get_mut(id) {
+            Some(e) if e.token == *token && !e.done && e.expires_at > now => {
+                self.inner.resize(e, size);
+                e.payload = Some(kept);
+                self.inner.index(*id);
+                Ok(())
+            }
+            _ => Err(StoreError::new(StoreErrorKind::Fenced)),
+        }
+    }
+
+    async fn recoverable(&self, limit: usize) -> Result<Vec<(RecordId, Record)>, StoreError> {
+        let ids: Vec<RecordId> = self.inner.indexed().iter().copied().collect();
+        let mut found = Vec::new();
+        for id in ids {
+            let shard = self.shard(&id);
+            let now = Instant::now();
+            match shard.map.get(&id) {
+                Some(e) if e.expires_at > now && !e.done && e.payload.is_some() => {
+                    if e.lease_until <= now {
+                        found.push((e.lease_until, id, e.record(now)?));
+                    }
+                }
+                // Completed, released, removed or expired: no longer indexed. Under the
+                // shard lock, so a point saved meanwhile keeps its entry.
+                _ => self.inner.unindex(&id),
+            }
+        }
+        // The longest abandoned first.
+        found.sort_by_key(|(lapsed_at, _, _)| *lapsed_at);
+        Ok(found
+            .into_iter()
+            .take(limit)
+            .map(|(_, id, r)| (id, r))
+            .collect())
     }
 
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
@@ -655,11 +753,11 @@ impl super::IdempotencyAdmin for MemoryStore {
     }
 
     async fn force_release(&self, id: &RecordId) -> Result<super::Removal, StoreError> {
-        self.remove_if(id, |e| e.completion.is_none())
+        self.remove_if(id, |e| !e.done)
     }
 
     async fn delete(&self, id: &RecordId) -> Result<super::Removal, StoreError> {
-        self.remove_if(id, |e| e.completion.is_some())
+        self.remove_if(id, |e| e.done)
     }
 }
 

@@ -228,6 +228,8 @@ pub use crate::record::{
     Token,
 };
 
+pub use crate::recovery::RecoveryPoint;
+
 pub mod memory;
 
 mod admin;
@@ -319,6 +321,9 @@ pub struct Claim {
     /// On a takeover, how long the old lease had been lapsed, by the store's clock: how long
     /// the key was abandoned. `None` on a first claim, or when the store cannot tell.
     pub lapsed_for: Option<Duration>,
+    /// On a takeover, the last recovery point the earlier attempts saved, so this attempt
+    /// resumes from it ([`IdempotencyStore::save_recovery_point`]).
+    pub recovery_point: Option<RecoveryPoint>,
 }
 
 impl Claim {
@@ -328,6 +333,7 @@ impl Claim {
             token,
             takeover: false,
             lapsed_for: None,
+            recovery_point: None,
         }
     }
 
@@ -338,7 +344,15 @@ impl Claim {
             token,
             takeover: true,
             lapsed_for,
+            recovery_point: None,
         }
+    }
+
+    /// The same claim, handing the attempt the recovery point the record holds.
+    #[must_use]
+    pub fn with_recovery_point(mut self, point: Option<RecoveryPoint>) -> Self {
+        self.recovery_point = point;
+        self
     }
 }
 
@@ -360,6 +374,11 @@ pub enum StoreErrorKind {
     /// The scope holds as many records (or bytes) as its quota allows; other scopes still
     /// claim. Nothing was written.
     QuotaExceeded,
+    /// What was to be stored is over a documented cap (a [`RecoveryPoint`]'s, say); the
+    /// source names the cap. Nothing was written.
+    TooLarge,
+    /// The store does not implement the operation (a custom store written before it).
+    Unsupported,
     /// Anything else, see the source.
     Other,
 }
@@ -416,6 +435,8 @@ impl fmt::Display for StoreError {
             StoreErrorKind::Unknown => "idempotency store call timed out with an unknown outcome",
             StoreErrorKind::Corrupt => "idempotency record is corrupt",
             StoreErrorKind::QuotaExceeded => "idempotency scope is over its quota",
+            StoreErrorKind::TooLarge => "idempotency store refused a value over its cap",
+            StoreErrorKind::Unsupported => "idempotency store does not support this operation",
             StoreErrorKind::Other => "idempotency store error",
         };
         f.write_str(what)
@@ -466,6 +487,35 @@ pub trait IdempotencyStore: Send + Sync + 'static {
     /// Reads the record, if any. A record past its TTL is absent.
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError>;
 
+    /// Saves `point` as the recovery point of `token`'s claim, replacing the one before: the
+    /// next takeover gets it in [`Claim::recovery_point`], [`get`](Self::get) shows it in
+    /// [`Record::recovery_point`], and [`recoverable`](Self::recoverable) lists the record
+    /// once its lease lapses. `complete` and `release` drop it.
+    ///
+    /// Fenced like `extend`: a stale token, a completed or released record, or an absent one
+    /// is [`StoreErrorKind::Fenced`] and writes nothing. A point is at most
+    /// [`RecoveryPoint::MAX_ENCODED`] bytes encoded. The default answers
+    /// [`StoreErrorKind::Unsupported`].
+    async fn save_recovery_point(
+        &self,
+        id: &RecordId,
+        token: &Token,
+        point: &RecoveryPoint,
+    ) -> Result<(), StoreError> {
+        let _ = (id, token, point);
+        Err(StoreError::new(StoreErrorKind::Unsupported))
+    }
+
+    /// Up to `limit` records in progress whose lease has lapsed and that hold a recovery
+    /// point, for the [recovery worker](crate::RecoveryWorker). Each [`Record`] carries its
+    /// [`recovery_point`](Record::recovery_point). Records that never saved a point are not
+    /// looked at: a store indexes only those that did. The default answers
+    /// [`StoreErrorKind::Unsupported`].
+    async fn recoverable(&self, limit: usize) -> Result<Vec<(RecordId, Record)>, StoreError> {
+        let _ = limit;
+        Err(StoreError::new(StoreErrorKind::Unsupported))
+    }
+
     /// A short, fixed name for the `store` label of the layer's metrics (`"memory"`,
     /// `"redis"`, `"postgres"`). Default `"custom"`.
     fn name(&self) -> &'static str {
@@ -504,6 +554,19 @@ impl<T: IdempotencyStore + ?Sized> IdempotencyStore for Arc<T> {
 
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         (**self).get(id).await
+    }
+
+    async fn save_recovery_point(
+        &self,
+        id: &RecordId,
+        token: &Token,
+        point: &RecoveryPoint,
+    ) -> Result<(), StoreError> {
+        (**self).save_recovery_point(id, token, point).await
+    }
+
+    async fn recoverable(&self, limit: usize) -> Result<Vec<(RecordId, Record)>, StoreError> {
+        (**self).recoverable(limit).await
     }
 
     fn name(&self) -> &'static str {

@@ -1,0 +1,414 @@
+//! Resumable work: [`RecoveryPoint`]s, and the [`RecoveryWorker`] that finishes keys whose
+//! holder died after saving one. The [guide](crate::resumable) shows the pattern.
+
+mod point;
+
+use std::collections::HashSet;
+use std::future::Future;
+use std::num::NonZeroU64;
+use std::panic::AssertUnwindSafe;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::FutureExt;
+use http::Response;
+use tokio::time::Instant;
+
+pub use point::RecoveryPoint;
+
+use crate::config::Config;
+use crate::policy::{decide, RecordDecision, ResponseInfo};
+use crate::record::{RecordId, RecordState, ScopeId, Token};
+use crate::store::{ClaimOutcome, ClaimRequest, StoreError, StoreErrorKind};
+use crate::{IdempotencyContext, IdempotencyLayer};
+
+/// What a recover function may fail with.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Finishes the work of keys whose holder died: it finds records in progress whose lease
+/// lapsed and that hold a [`RecoveryPoint`], takes each over exactly as a retry would
+/// (fenced, generation + 1, the abandoned-key hook fires), runs your recover function from
+/// the point, and records the answer it returns, so the client's next retry replays it.
+///
+/// Spawn one per process (or a few per fleet: two workers never recover one record twice,
+/// because the takeover is the store's atomic claim). Only records that saved a point are
+/// looked at, so requests that never save one cost the worker nothing.
+///
+/// ```
+/// use std::time::Duration;
+/// use bytes::Bytes;
+/// use tower_idempotency::{store::MemoryStore, IdempotencyLayer, RecoveryWorker};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let layer = IdempotencyLayer::new(MemoryStore::new()).unscoped();
+/// let worker = RecoveryWorker::new(&layer, |ctx| async move {
+///     let point = ctx.recovery_point().expect("the worker runs only records with a point");
+///     // Resume from `point.step()` with `point.data()`, as the handler would.
+///     let body = format!("{{\"resumed_from\":\"{}\"}}", point.step());
+///     Ok(http::Response::builder().status(201).body(Bytes::from(body))?)
+/// })
+/// .with_interval(Duration::from_secs(1));
+/// let handle = worker.spawn();
+/// # handle.stop().await;
+/// # }
+/// ```
+///
+/// **Bounded.** A record is tried while its generation is at most
+/// [`with_max_attempts`](Self::with_max_attempts) (default 5): each takeover, by a client's
+/// retry or by a worker, is one attempt. Past that it is left for an operator
+/// ([`IdempotencyAdmin`](crate::store::IdempotencyAdmin)), logged at `ERROR` once per worker
+/// and counted as `left`, so a record whose recovery always fails never loops.
+///
+/// **A failed attempt** (the function returns `Err`, panics, or answers what the layer's
+/// record policy would release, such as a 5xx) is logged and counted as `failed`; the claim
+/// is left to lapse with its point kept, so the next sweep, or the client's retry, resumes
+/// again. A release would drop the point and start the work over.
+///
+/// **What is recorded** is built as the layer builds it: the same kept headers, caps and
+/// tombstones. The worker has no request, so an answer whose `Vary` names request headers
+/// cannot carry the layer's Vary guard: with Vary matching on, such an answer is not
+/// recorded (a failed attempt) and the client's retry, which has the headers, resumes.
+/// A function that records the answer itself (`PostgresStore::record_in`) marks its
+/// response with [`RecordDecision::AlreadyRecorded`], as a handler does.
+pub struct RecoveryWorker<F> {
+    config: Arc<Config>,
+    recover: F,
+    interval: Duration,
+    max_attempts: u64,
+    batch: usize,
+    /// Records already reported as left, so each is logged once.
+    reported: Mutex<HashSet<RecordId>>,
+}
+
+impl<F> std::fmt::Debug for RecoveryWorker<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RecoveryWorker")
+            .field("store", &self.config.store.name())
+            .field("interval", &self.interval)
+            .field("max_attempts", &self.max_attempts)
+            .field("batch", &self.batch)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<F, Fut> RecoveryWorker<F>
+where
+    F: Fn(IdempotencyContext) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<Response<Bytes>, BoxError>> + Send + 'static,
+{
+    /// A worker over `layer`'s store, with its lease, retention and recording rules. `recover`
+    /// gets the context of its takeover: [`scope`](IdempotencyContext::scope),
+    /// [`record_id`](IdempotencyContext::record_id),
+    /// [`recovery_point`](IdempotencyContext::recovery_point) (always `Some`) and
+    /// [`derive`](IdempotencyContext::derive) are those a retry's handler would see; its
+    /// [`key`](IdempotencyContext::key) is `None`, since stores keep only the key's hash.
+    pub fn new(layer: &IdempotencyLayer, recover: F) -> Self {
+        Self {
+            config: layer.config.clone(),
+            recover,
+            interval: Duration::from_secs(1),
+            max_attempts: 5,
+            batch: 100,
+            reported: Mutex::new(HashSet::new()),
+        }
+    }
+
+    /// How often [`spawn`](Self::spawn)'s task sweeps (default 1 s). A record is recovered
+    /// within its lease plus one interval of its holder's death.
+    #[must_use]
+    pub fn with_interval(mut self, every: Duration) -> Self {
+        self.interval = every.max(Duration::from_millis(10));
+        self
+    }
+
+    /// The highest generation a record may reach by recoveries (default 5): past it the
+    /// record is left for an operator.
+    #[must_use]
+    pub fn with_max_attempts(mut self, n: NonZeroU64) -> Self {
+        self.max_attempts = n.get();
+        self
+    }
+
+    /// How many records one sweep looks at, at most (default 100).
+    #[must_use]
+    pub fn with_batch(mut self, n: std::num::NonZeroUsize) -> Self {
+        self.batch = n.get();
+        self
+    }
+
+    /// One sweep: every recoverable record found is tried once, one after another.
+    pub async fn run_once(&self) -> Result<RecoveryReport, StoreError> {
+        let store = &self.config.store;
+        let timeout = self.config.timing.store_timeout();
+        let found = match tokio::time::timeout(timeout, store.recoverable(self.batch)).await {
+            Ok(found) => found?,
+            Err(e) => return Err(StoreError::with_source(StoreErrorKind::Unknown, e)),
+        };
+        let mut report = RecoveryReport::default();
+        for (id, record) in found {
+            let outcome = self.recover_one(id, record).await;
+            crate::metrics::recovery(store.name(), outcome.as_str());
+            match outcome {
+                Outcome::Recovered => report.recovered += 1,
+                Outcome::Failed => report.failed += 1,
+                Outcome::Left => report.left += 1,
+                Outcome::Taken => report.taken += 1,
+            }
+        }
+        Ok(report)
+    }
+
+    /// Sweeps every [`with_interval`](Self::with_interval) on a task of its own, until the
+    /// handle stops it. Quiet when it finds nothing; each record it recovers is logged.
+    pub fn spawn(self) -> RecoveryHandle {
+        let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            let mut tick = tokio::time::interval(self.interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = &mut stopped => return,
+                    _ = tick.tick() => {}
+                }
+                match self.run_once().await {
+                    Ok(_) => {}
+                    Err(e) if e.kind() == StoreErrorKind::Unsupported => {
+                        tracing::error!("the recovery worker's store cannot list recoverable records; the worker stops");
+                        return;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %crate::service::Chain(&e), "the recovery worker could not list recoverable records; it tries again at the next sweep");
+                    }
+                }
+            }
+        });
+        RecoveryHandle {
+            stop: Some(stop),
+            task,
+        }
+    }
+
+    async fn recover_one(&self, id: RecordId, record: crate::record::Record) -> Outcome {
+        let cfg = &*self.config;
+        let store = &*cfg.store;
+        let Some(point) = record.recovery_point.clone() else {
+            return Outcome::Taken;
+        };
+        if !matches!(record.state, RecordState::InProgress { .. }) {
+            return Outcome::Taken;
+        }
+        if record.generation >= self.max_attempts {
+            if self.reported.lock().unwrap_or_else(|e| e.into_inner()).insert(id) {
+                tracing::error!(record = %id, generation = record.generation, step = point.step(), max_attempts = self.max_attempts, "a record with a recovery point reached the most attempts the recovery worker makes; it is left for an operator");
+            }
+            return Outcome::Left;
+        }
+        let scope_id = ScopeId::new(point.scope());
+        let timing = &cfg.timing;
+        let request = ClaimRequest::new(&id, &record.fingerprint, timing.lease(), timing.ttl())
+            .in_scope(&scope_id);
+        let sent = Instant::now();
+        let claim = match tokio::time::timeout(timing.store_timeout(), store.claim(&request)).await
+        {
+            Ok(Ok(ClaimOutcome::Claimed(claim))) => claim,
+            // A retry, another worker, or a completion got there first.
+            Ok(Ok(_)) => return Outcome::Taken,
+            Ok(Err(e)) => {
+                tracing::warn!(record = %id, error = %crate::service::Chain(&e), "the recovery worker could not take over a record; it tries again at the next sweep");
+                return Outcome::Failed;
+            }
+            Err(_) => {
+                // The claim may have taken effect: its lease lapses, and the next sweep
+                // takes over again.
+                tracing::warn!(record = %id, "the recovery worker's takeover timed out; it tries again at the next sweep");
+                return Outcome::Failed;
+            }
+        };
+        let token = claim.token;
+        if claim.takeover {
+            if let Some(hook) = &cfg.on_abandoned {
+                let abandoned = crate::Abandoned {
+                    scope: point.scope().map(Arc::from),
+                    record: id,
+                    old_generation: token.generation().saturating_sub(1),
+                    new_generation: token.generation(),
+                    abandoned_for: claim.lapsed_for,
+                };
+                if std::panic::catch_unwind(AssertUnwindSafe(|| hook(&abandoned))).is_err() {
+                    tracing::error!("the abandoned-key hook panicked; the recovery runs");
+                }
+            }
+        }
+        let resume = claim.recovery_point.unwrap_or(point);
+        let step = resume.step().to_owned();
+        let ctx = IdempotencyContext::new(
+            None,
+            resume.scope().map(Arc::from),
+            id,
+            record.fingerprint,
+            token,
+            self.config.clone(),
+            None,
+            Some(resume),
+        );
+        let work = AssertUnwindSafe((self.recover)(ctx)).catch_unwind();
+        let result = tokio::select! {
+            biased;
+            r = work => r,
+            () = renew(cfg, &id, &token, sent) => {
+                tracing::warn!(record = %id, "the recovery worker lost its claim while recovering; the work stops, and the record's new holder goes on");
+                return Outcome::Failed;
+            }
+        };
+        let response = match result {
+            Ok(Ok(response)) => response,
+            Ok(Err(e)) => {
+                tracing::warn!(record = %id, step, generation = token.generation(), error = %e, "a recovery failed; the claim lapses and the record is tried again");
+                return Outcome::Failed;
+            }
+            Err(_) => {
+                tracing::error!(record = %id, step, generation = token.generation(), "the recover function panicked; the claim lapses and the record is tried again");
+                return Outcome::Failed;
+            }
+        };
+        self.settle(id, token, step, response).await
+    }
+
+    async fn settle(&self, id: RecordId, token: Token, step: String, response: Response<Bytes>) -> Outcome {
+        let cfg = &*self.config;
+        let store = &*cfg.store;
+        let info = ResponseInfo::new(response.status(), response.headers(), None);
+        let decision = decide(
+            &*cfg.policy,
+            response.extensions().get::<RecordDecision>().copied(),
+            &info,
+        );
+        match decision {
+            RecordDecision::AlreadyRecorded => {
+                let done = matches!(
+                    store.get(&id).await,
+                    Ok(Some(r)) if matches!(r.state, RecordState::Completed(_)) && r.holder == Some(token)
+                );
+                if done {
+                    tracing::info!(record = %id, step, generation = token.generation(), "recovered a record from its recovery point (recorded by the recover function)");
+                    return Outcome::Recovered;
+                }
+                tracing::error!(record = %id, "the recover function marked its answer AlreadyRecorded, but the record was not completed by its claim");
+                return Outcome::Failed;
+            }
+            RecordDecision::Release => {
+                tracing::warn!(record = %id, status = response.status().as_u16(), "the recover function answered what the record policy releases; the claim lapses and the record is tried again");
+                return Outcome::Failed;
+            }
+            RecordDecision::Record => {}
+        }
+        if cfg.vary_match && crate::recording::names_vary(response.headers()) {
+            tracing::error!(record = %id, "the recover function's answer varies on request headers, which the worker does not have; it is not recorded, and the client's retry resumes");
+            return Outcome::Failed;
+        }
+        let (parts, body) = response.into_parts();
+        let completion =
+            crate::recording::completion(cfg, None, parts.status, &parts.headers, body, None);
+        let ttl = cfg.timing.ttl();
+        // Resent once: `complete` is idempotent per token (guarantee 9).
+        for _ in 0..2 {
+            match tokio::time::timeout(
+                cfg.timing.store_timeout(),
+                store.complete(&id, &token, &completion, ttl),
+            )
+            .await
+            {
+                Ok(Ok(())) => {
+                    tracing::info!(record = %id, step, generation = token.generation(), status = parts.status.as_u16(), "recovered a record from its recovery point");
+                    return Outcome::Recovered;
+                }
+                Ok(Err(e)) if e.is_fenced() => {
+                    tracing::warn!(record = %id, "the recovery's answer was fenced: another attempt holds the record");
+                    return Outcome::Failed;
+                }
+                Ok(Err(_)) | Err(_) => {}
+            }
+        }
+        tracing::warn!(record = %id, "the recovery's answer could not be recorded; the claim lapses and the record is tried again");
+        Outcome::Failed
+    }
+}
+
+/// Renews the worker's claim every lease / 3 (the layer's schedule) and returns when the
+/// claim is lost: fenced, or not renewed within a whole lease of the last success.
+async fn renew(cfg: &Config, id: &RecordId, token: &Token, sent: Instant) {
+    let lease = cfg.timing.lease();
+    let mut renewed = sent;
+    loop {
+        tokio::time::sleep(lease / 3).await;
+        let at = Instant::now();
+        match tokio::time::timeout(cfg.timing.store_timeout(), cfg.store.extend(id, token, lease))
+            .await
+        {
+            Ok(Ok(())) => renewed = at,
+            Ok(Err(e)) if e.is_fenced() => return,
+            _ => {}
+        }
+        // The local estimate of the lease's end, counted from a send time: never later
+        // than the store's.
+        if Instant::now() >= renewed + lease {
+            return;
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Outcome {
+    Recovered,
+    Failed,
+    Left,
+    Taken,
+}
+
+impl Outcome {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Recovered => "recovered",
+            Self::Failed => "failed",
+            Self::Left => "left",
+            Self::Taken => "taken",
+        }
+    }
+}
+
+/// What one sweep did ([`RecoveryWorker::run_once`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RecoveryReport {
+    /// Records recovered: their answer is recorded.
+    pub recovered: usize,
+    /// Attempts that failed; each record is tried again once its claim lapses.
+    pub failed: usize,
+    /// Records past the most attempts, left for an operator.
+    pub left: usize,
+    /// Records someone else took first (a retry, another worker) or that completed.
+    pub taken: usize,
+}
+
+/// Stops the task [`RecoveryWorker::spawn`] started.
+#[derive(Debug)]
+pub struct RecoveryHandle {
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl RecoveryHandle {
+    /// Stops after the sweep in progress, if any, and waits for it.
+    pub async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let _ = (&mut self.task).await;
+    }
+
+    /// Stops at once, dropping a recovery in progress (its claim lapses).
+    pub fn abort(&self) {
+        self.task.abort();
+    }
+}
