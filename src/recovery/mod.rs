@@ -199,7 +199,12 @@ where
             return Outcome::Taken;
         }
         if record.generation >= self.max_attempts {
-            if self.reported.lock().unwrap_or_else(|e| e.into_inner()).insert(id) {
+            if self
+                .reported
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(id)
+            {
                 tracing::error!(record = %id, generation = record.generation, step = point.step(), max_attempts = self.max_attempts, "a record with a recovery point reached the most attempts the recovery worker makes; it is left for an operator");
             }
             return Outcome::Left;
@@ -275,7 +280,13 @@ where
         self.settle(id, token, step, response).await
     }
 
-    async fn settle(&self, id: RecordId, token: Token, step: String, response: Response<Bytes>) -> Outcome {
+    async fn settle(
+        &self,
+        id: RecordId,
+        token: Token,
+        step: String,
+        response: Response<Bytes>,
+    ) -> Outcome {
         let cfg = &*self.config;
         let store = &*cfg.store;
         let info = ResponseInfo::new(response.status(), response.headers(), None);
@@ -343,8 +354,11 @@ async fn renew(cfg: &Config, id: &RecordId, token: &Token, sent: Instant) {
     loop {
         tokio::time::sleep(lease / 3).await;
         let at = Instant::now();
-        match tokio::time::timeout(cfg.timing.store_timeout(), cfg.store.extend(id, token, lease))
-            .await
+        match tokio::time::timeout(
+            cfg.timing.store_timeout(),
+            cfg.store.extend(id, token, lease),
+        )
+        .await
         {
             Ok(Ok(())) => renewed = at,
             Ok(Err(e)) if e.is_fenced() => return,

@@ -187,7 +187,10 @@ mod tests {
             let p = RecoveryPoint::new("charged", Bytes::from_static(b"pay_1"), scope, 3).unwrap();
             let back = RecoveryPoint::decode(Bytes::from(p.encode())).unwrap();
             assert_eq!(back, p);
-            assert_eq!((back.step(), back.scope(), back.generation()), ("charged", scope, 3));
+            assert_eq!(
+                (back.step(), back.scope(), back.generation()),
+                ("charged", scope, 3)
+            );
         }
         let max = RecoveryPoint::new(
             &"s".repeat(64),
@@ -199,9 +202,18 @@ mod tests {
         assert_eq!(max.encode().len(), RecoveryPoint::MAX_ENCODED);
         let e = RecoveryPoint::new("s", Bytes::from(vec![0; 4097]), None, 1).unwrap_err();
         assert_eq!(e.kind(), StoreErrorKind::TooLarge);
-        assert!(std::error::Error::source(&e).unwrap().to_string().contains("4096"), "{e:?}");
+        assert!(
+            std::error::Error::source(&e)
+                .unwrap()
+                .to_string()
+                .contains("4096"),
+            "{e:?}"
+        );
         let e = RecoveryPoint::new(&"s".repeat(65), Bytes::new(), None, 1).unwrap_err();
-        assert!(std::error::Error::source(&e).unwrap().to_string().contains("64"));
+        assert!(std::error::Error::source(&e)
+            .unwrap()
+            .to_string()
+            .contains("64"));
         assert!(RecoveryPoint::new("", Bytes::new(), None, 1).is_err());
     }
 

@@ -448,9 +448,11 @@ impl Entry {
                 lease_remaining: self.lease_until.saturating_duration_since(now),
             },
         };
-        Ok(Record::new(self.fingerprint, self.token.generation(), state)
-            .with_holder(self.token)
-            .with_recovery_point(self.point()?))
+        Ok(
+            Record::new(self.fingerprint, self.token.generation(), state)
+                .with_holder(self.token)
+                .with_recovery_point(self.point()?),
+        )
     }
 
     /// The recovery point, while in progress.
