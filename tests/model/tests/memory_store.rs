@@ -10,10 +10,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use shuttle::thread;
-use tower_idempotency::store::{ClaimRequest, 
-    ClaimOutcome, IdempotencyStore, MemoryStore, StoreError, StoreErrorKind,
+use tower_idempotency::store::{
+    ClaimOutcome, ClaimRequest, IdempotencyStore, MemoryStore, StoreError, StoreErrorKind,
 };
-use tower_idempotency::store::{Completion, Fingerprint, RecordId, RecordState, StoredResponse, Token};
+use tower_idempotency::store::{
+    Completion, Fingerprint, RecordId, RecordState, StoredResponse, Token,
+};
 
 const LEASE: Duration = Duration::from_secs(60);
 const TTL: Duration = Duration::from_secs(3600);
@@ -29,8 +31,25 @@ fn iterations() -> usize {
 fn check(f: impl Fn() + Send + Sync + 'static) {
     let f = Arc::new(f);
     let g = f.clone();
-    shuttle::check_random(move || f(), iterations());
-    shuttle::check_pct(move || g(), iterations(), 3);
+    shuttle::Runner::new(
+        shuttle::scheduler::RandomScheduler::new(iterations()),
+        config(),
+    )
+    .run(move || f());
+    shuttle::Runner::new(
+        shuttle::scheduler::PctScheduler::new(3, iterations()),
+        config(),
+    )
+    .run(move || g());
+}
+
+/// Shuttle runs each thread on its own stack, 32 KiB by default. A debug build of a claim
+/// that takes over a record (with its recovery point) keeps more than that on the stack at
+/// once, and overflowing it is a SIGSEGV, not a panic. 1 MiB leaves room to spare.
+fn config() -> shuttle::Config {
+    let mut config = shuttle::Config::new();
+    config.stack_size = 1 << 20;
+    config
 }
 
 /// The memory store never awaits anything but its own locks, so its futures finish on the
@@ -44,7 +63,12 @@ fn fp(n: u8) -> Fingerprint {
 }
 
 fn completion(body: &'static str) -> Completion {
-    Completion::Response(StoredResponse::new(http::StatusCode::CREATED, http::HeaderMap::new(), body.into(), None))
+    Completion::Response(StoredResponse::new(
+        http::StatusCode::CREATED,
+        http::HeaderMap::new(),
+        body.into(),
+        None,
+    ))
 }
 
 fn claimed(out: &Result<ClaimOutcome, StoreError>) -> Option<Token> {
@@ -99,7 +123,13 @@ fn a_late_complete_races_takeovers_and_exactly_one_side_wins() {
         let store = Arc::new(MemoryStore::new());
         let id = RecordId::new(Some("model"), "k");
         // A zero lease has lapsed as soon as it is granted.
-        let old = claimed(&run(store.claim(&ClaimRequest::new(&id, &fp(1), Duration::ZERO, TTL)))).unwrap();
+        let old = claimed(&run(store.claim(&ClaimRequest::new(
+            &id,
+            &fp(1),
+            Duration::ZERO,
+            TTL,
+        ))))
+        .unwrap();
         let completer = {
             let store = store.clone();
             thread::spawn(move || run(store.complete(&id, &old, &completion("old"), TTL)))
@@ -140,8 +170,20 @@ fn a_stale_holder_changes_nothing_while_the_new_one_completes() {
     check(|| {
         let store = Arc::new(MemoryStore::new());
         let id = RecordId::new(Some("model"), "k");
-        let old = claimed(&run(store.claim(&ClaimRequest::new(&id, &fp(1), Duration::ZERO, TTL)))).unwrap();
-        let new = claimed(&run(store.claim(&ClaimRequest::new(&id, &fp(1), LEASE, TTL)))).unwrap();
+        let old = claimed(&run(store.claim(&ClaimRequest::new(
+            &id,
+            &fp(1),
+            Duration::ZERO,
+            TTL,
+        ))))
+        .unwrap();
+        let new = claimed(&run(store.claim(&ClaimRequest::new(
+            &id,
+            &fp(1),
+            LEASE,
+            TTL,
+        ))))
+        .unwrap();
         let stale = {
             let store = store.clone();
             thread::spawn(move || {
@@ -176,8 +218,20 @@ fn a_released_takeover_races_claims_and_its_generation_only_grows() {
     check(|| {
         let store = Arc::new(MemoryStore::new());
         let id = RecordId::new(Some("model"), "k");
-        claimed(&run(store.claim(&ClaimRequest::new(&id, &fp(1), Duration::ZERO, TTL)))).unwrap();
-        let second = claimed(&run(store.claim(&ClaimRequest::new(&id, &fp(1), LEASE, TTL)))).unwrap();
+        claimed(&run(store.claim(&ClaimRequest::new(
+            &id,
+            &fp(1),
+            Duration::ZERO,
+            TTL,
+        ))))
+        .unwrap();
+        let second = claimed(&run(store.claim(&ClaimRequest::new(
+            &id,
+            &fp(1),
+            LEASE,
+            TTL,
+        ))))
+        .unwrap();
         assert_eq!(second.generation(), 2);
         let releaser = {
             let store = store.clone();
@@ -252,6 +306,12 @@ fn a_full_store_admits_exactly_its_budget_and_release_frees_it() {
         run(store.release(&id, &token)).unwrap();
         assert_eq!(store.len(), 0);
         let again = RecordId::new(Some("model"), "after-release");
-        assert!(claimed(&run(store.claim(&ClaimRequest::new(&again, &fp(1), LEASE, TTL)))).is_some());
+        assert!(claimed(&run(store.claim(&ClaimRequest::new(
+            &again,
+            &fp(1),
+            LEASE,
+            TTL
+        ))))
+        .is_some());
     });
 }
