@@ -99,6 +99,8 @@ pub struct RecordInfo {
     pub answer_size: Option<usize>,
     /// The fingerprint of the request that claimed the key.
     pub fingerprint: Fingerprint,
+    /// The last recovery point an attempt saved (in progress only): the step it reached.
+    pub recovery_point: Option<crate::RecoveryPoint>,
 }
 
 impl RecordInfo {
@@ -127,6 +129,7 @@ impl RecordInfo {
             answer_status,
             answer_size,
             fingerprint: record.fingerprint,
+            recovery_point: record.recovery_point.clone(),
         }
     }
 }

@@ -17,6 +17,7 @@ conformance_suite! {
         Some(Arc::new(store) as DynStore)
     },
     admin: async { Some(Arc::new(MemoryStore::new()) as conformance::DynAdminStore) },
+    recovery: async { Some(Arc::new(MemoryStore::new()) as DynStore) },
 }
 
 #[tokio::test]

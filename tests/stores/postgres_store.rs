@@ -139,6 +139,7 @@ conformance_suite! {
     store: conformance_store(),
     full: full_store(),
     admin: admin_store(),
+    recovery: conformance_store(),
 }
 
 async fn admin_store() -> Option<conformance::DynAdminStore> {
@@ -218,7 +219,10 @@ async fn concurrent_migrations_of_a_new_table_all_succeed() {
         .await
         .unwrap()
         .get(0);
-    assert_eq!(indexes, 3, "primary key, expires_at and scope indexes");
+    assert_eq!(
+        indexes, 4,
+        "primary key, expires_at, scope and recovery indexes"
+    );
     // And once more, on an existing table.
     let store = store_in(&url, &schema, 1, "tidem-migrate-again").await;
     store.migrate().await.unwrap();
@@ -1982,7 +1986,7 @@ async fn migrate_upgrades_a_table_from_before_quotas_and_keeps_an_operators_sett
                 "SELECT c.reloptions::text,
                         (SELECT count(*) FROM pg_index x WHERE x.indrelid = c.oid),
                         (SELECT count(*) FROM pg_attribute a
-                          WHERE a.attrelid = c.oid AND a.attname = 'scope')
+                          WHERE a.attrelid = c.oid AND a.attname IN ('scope', 'recovery_point'))
                    FROM pg_class c WHERE c.oid = '{table}'::regclass"
             ),
             &[],
@@ -1996,8 +2000,8 @@ async fn migrate_upgrades_a_table_from_before_quotas_and_keeps_an_operators_sett
         options.contains("autovacuum_vacuum_scale_factor=0.01"),
         "{options}"
     );
-    // The primary key, the sweeper's index and the scope index.
-    assert_eq!((row.get::<_, i64>(1), row.get::<_, i64>(2)), (3, 1));
+    // The primary key, the sweeper's index, the scope index and the recovery index.
+    assert_eq!((row.get::<_, i64>(1), row.get::<_, i64>(2)), (4, 2));
     // The upgraded table works with quotas.
     let store = PostgresStore::builder()
         .with_table(old.table())
@@ -2048,5 +2052,334 @@ async fn migrate_sets_the_storage_settings_of_a_new_table() {
         "{fillfactor=80,autovacuum_vacuum_scale_factor=0.01,\
          autovacuum_analyze_scale_factor=0.05,autovacuum_vacuum_cost_delay=0}"
     );
+    schema.drop_now().await;
+}
+
+/// A recovery point as a handler's save makes it (`RecoveryPoint::encode`'s form, unscoped).
+fn recovery_point(generation: u64, step: &str, data: &[u8]) -> tower_idempotency::RecoveryPoint {
+    let mut b = vec![1];
+    b.extend_from_slice(&generation.to_be_bytes());
+    b.extend_from_slice(&u16::MAX.to_be_bytes());
+    b.push(step.len() as u8);
+    b.extend_from_slice(step.as_bytes());
+    b.extend_from_slice(&(data.len() as u16).to_be_bytes());
+    b.extend_from_slice(data);
+    tower_idempotency::RecoveryPoint::decode(bytes::Bytes::from(b)).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_adds_recovery_points_to_a_table_from_before_them() {
+    let Some(url) = pg_support::url() else { return };
+    let schema = TestSchema::create(&url, "rpupgrade").await;
+    let table = schema.table();
+    let admin = admin(&url).await;
+    // The table, its indexes and its claim function as the previous version made them, and
+    // a record one of its replicas claimed.
+    let id = unique_id("rp-upgrade");
+    let nonce = [7u8; 16];
+    admin
+        .batch_execute(&format!(
+            "CREATE TABLE {table} (
+                 id bytea PRIMARY KEY CHECK (octet_length(id) = 32),
+                 fingerprint bytea NOT NULL CHECK (octet_length(fingerprint) = 32),
+                 state smallint NOT NULL CHECK (state IN (0, 1, 2)),
+                 generation bigint NOT NULL CHECK (generation > 0),
+                 nonce bytea NOT NULL CHECK (octet_length(nonce) = 16),
+                 locked_until timestamptz NOT NULL,
+                 status smallint, headers bytea, body bytea, trailers bytea,
+                 created_at timestamptz NOT NULL, expires_at timestamptz NOT NULL,
+                 scope bytea CHECK (octet_length(scope) = 32)
+             ) WITH (fillfactor = 80);
+             CREATE INDEX records_expires_at_idx ON {table} (expires_at);
+             CREATE INDEX records_scope_idx ON {table} (scope, expires_at)
+                 WHERE scope IS NOT NULL;
+             CREATE FUNCTION {table}_claim(
+                 p_id bytea, p_fingerprint bytea, p_nonce bytea, p_lease bigint, p_ttl bigint,
+                 p_scope bytea, p_max_records bigint, p_max_bytes bigint)
+             RETURNS TABLE (outcome smallint, generation bigint, nonce bytea, fingerprint bytea,
+                            state smallint, lease_us bigint, status smallint, headers bytea,
+                            body bytea, trailers bytea, lapsed_us bigint)
+             LANGUAGE sql AS $$ SELECT NULL::smallint, NULL::bigint, NULL::bytea, NULL::bytea,
+                 NULL::smallint, NULL::bigint, NULL::smallint, NULL::bytea, NULL::bytea,
+                 NULL::bytea, NULL::bigint WHERE false $$;
+             INSERT INTO {table} (id, fingerprint, state, generation, nonce, locked_until,
+                                  created_at, expires_at)
+             VALUES ('\\x{id}', '\\x{fp}', 0, 1, '\\x{nonce}', now() + interval '30 s', now(),
+                     now() + interval '10 min');",
+            id = id.to_hex(),
+            fp = "05".repeat(32),
+            nonce = "07".repeat(16),
+        ))
+        .await
+        .unwrap();
+    let filenode = format!("SELECT pg_relation_filenode('{table}')::bigint");
+    let before: i64 = admin.query_one(&filenode, &[]).await.unwrap().get(0);
+    let store = PostgresStore::builder()
+        .with_table(&table)
+        .unwrap()
+        .build(pool(&url, 1, "tidem-rp-upgrade"));
+    // The statements read the new column: an old table is named, not used.
+    let err = store.verify().await.unwrap_err();
+    assert!(matches!(err, SetupError::Table { .. }), "{err:?}");
+    assert!(err.to_string().contains("recovery_point"), "{err}");
+    store.migrate().await.unwrap();
+    store.migrate().await.unwrap();
+    store.verify().await.unwrap();
+    // Added in place: the catalog changed, the rows were not rewritten.
+    let after: i64 = admin.query_one(&filenode, &[]).await.unwrap().get(0);
+    assert_eq!(after, before);
+    let row = admin
+        .query_one(
+            &format!(
+                "SELECT (SELECT format_type(atttypid, atttypmod) || ' ' || NOT attnotnull
+                           FROM pg_attribute
+                          WHERE attrelid = '{table}'::regclass AND attname = 'recovery_point'),
+                        (SELECT pg_get_indexdef(indexrelid) FROM pg_index x
+                           JOIN pg_class i ON i.oid = x.indexrelid
+                          WHERE x.indrelid = '{table}'::regclass
+                            AND i.relname = 'records_recovery_idx'),
+                        (SELECT pg_get_function_result('{table}_claim'::regproc))"
+            ),
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, String>(0), "bytea true");
+    let index: String = row.get(1);
+    assert!(
+        index.contains("(expires_at) WHERE ((recovery_point IS NOT NULL) AND (state = 0))"),
+        "{index}"
+    );
+    // The earlier version's claim function is left to the replicas still calling it.
+    assert!(row.get::<_, String>(2).ends_with("lapsed_us bigint)"));
+
+    // The record claimed before the upgrade has no point, and its holder saves one.
+    let token = Token::from_parts(1, nonce);
+    let record = store.get(&id).await.unwrap().unwrap();
+    assert_eq!(
+        (record.holder, record.recovery_point.as_ref()),
+        (Some(token), None)
+    );
+    let point = recovery_point(1, "charged", b"ch_1");
+    store
+        .save_recovery_point(&id, &token, &point)
+        .await
+        .unwrap();
+    let record = store.get(&id).await.unwrap().unwrap();
+    assert_eq!(record.recovery_point, Some(point));
+    drop(store);
+    schema.drop_now().await;
+}
+
+/// The recovery index costs a record that saves no point nothing: a lease renewal still
+/// changes no indexed column, so it stays a HOT update (no index entry).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewals_of_records_without_a_point_stay_hot() {
+    let Some(url) = pg_support::url() else { return };
+    let schema = TestSchema::create(&url, "rphot").await;
+    let store = store_in(&url, &schema, 1, "tidem-rp-hot").await;
+    const N: i64 = 10;
+    let mut claims = Vec::new();
+    for i in 0..N {
+        let id = unique_id(&format!("hot-{i}"));
+        let t = claimed(
+            store
+                .claim(&ClaimRequest::new(&id, &fp(6), LEASE, TTL))
+                .await
+                .unwrap(),
+        );
+        claims.push((id, t));
+    }
+    for (id, t) in &claims {
+        store.extend(id, t, LEASE).await.unwrap();
+    }
+    // On the store's one connection, which ran them: its counts are flushed once it idles.
+    store
+        .pool()
+        .get()
+        .await
+        .unwrap()
+        .batch_execute("SELECT pg_stat_force_next_flush()")
+        .await
+        .unwrap();
+    let admin = admin(&url).await;
+    let query = format!(
+        "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE relid = '{}'::regclass",
+        schema.table()
+    );
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    let seen = loop {
+        let row = admin.query_one(query.as_str(), &[]).await.unwrap();
+        let seen = (row.get::<_, i64>(0), row.get::<_, i64>(1));
+        if seen.0 >= N || tokio::time::Instant::now() > deadline {
+            break seen;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(seen, (N, N), "(updates, HOT updates)");
+    drop(store);
+    schema.drop_now().await;
+}
+
+/// Whether the row of `id` still holds bytes in its `recovery_point` column (`None`: no row).
+async fn point_column(url: &str, table: &str, id: &RecordId) -> Option<bool> {
+    admin(url)
+        .await
+        .query_opt(
+            &format!("SELECT recovery_point IS NOT NULL FROM {table} WHERE id = $1"),
+            &[&id.as_bytes().as_slice()],
+        )
+        .await
+        .unwrap()
+        .map(|row| row.get(0))
+}
+
+/// Every path that ends a claim clears the column itself, not only what `get` shows: a
+/// completion (the store's and one in the caller's transaction), a released takeover, and a
+/// claim that replaces an expired record; a takeover keeps it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recovery_points_end_with_the_claim_that_saved_them() {
+    let Some(url) = pg_support::url() else { return };
+    let schema = TestSchema::create(&url, "rpend").await;
+    let table = schema.table();
+    let store = store_in(&url, &schema, 2, "tidem-rp-end").await;
+    let short = Duration::from_millis(200);
+    let claim = |id: RecordId, f: u8, lease: Duration, ttl: Duration| {
+        let store = store.clone();
+        async move {
+            store
+                .claim(&ClaimRequest::new(&id, &fp(f), lease, ttl))
+                .await
+                .unwrap()
+        }
+    };
+    let save = |id: RecordId, t: Token| {
+        let store = store.clone();
+        async move {
+            let p = recovery_point(t.generation(), "charged", b"ch_1");
+            store.save_recovery_point(&id, &t, &p).await.unwrap();
+        }
+    };
+
+    let done = unique_id("rp-complete");
+    let t = claimed(claim(done, 1, LEASE, TTL).await);
+    save(done, t).await;
+    assert_eq!(point_column(&url, &table, &done).await, Some(true));
+    store
+        .complete(&done, &t, &response(201, "ok"), TTL)
+        .await
+        .unwrap();
+    assert_eq!(point_column(&url, &table, &done).await, Some(false));
+
+    let in_tx = unique_id("rp-complete-in");
+    let t = claimed(claim(in_tx, 1, LEASE, TTL).await);
+    save(in_tx, t).await;
+    let mut conn = store.pool().get().await.unwrap();
+    let tx = conn.transaction().await.unwrap();
+    store
+        .complete_in(&tx, &in_tx, &t, &response(201, "ok"), TTL)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    drop(conn);
+    assert_eq!(point_column(&url, &table, &in_tx).await, Some(false));
+
+    // A takeover keeps the point for its holder; its release drops it and keeps the row.
+    let released = unique_id("rp-release");
+    let t = claimed(claim(released, 1, short, TTL).await);
+    save(released, t).await;
+    tokio::time::sleep(short + Duration::from_millis(100)).await;
+    let t2 = match claim(released, 1, LEASE, TTL).await {
+        ClaimOutcome::Claimed(c) => {
+            assert!(c.takeover);
+            assert_eq!(c.recovery_point.as_ref().map(|p| p.generation()), Some(1));
+            c.token
+        }
+        other => panic!("expected a takeover, got {other:?}"),
+    };
+    assert_eq!(point_column(&url, &table, &released).await, Some(true));
+    store.release(&released, &t2).await.unwrap();
+    assert_eq!(point_column(&url, &table, &released).await, Some(false));
+
+    // An expired record replaced by another request's claim: a new record, with no point.
+    let expired = unique_id("rp-expired");
+    let t = claimed(claim(expired, 1, short, short).await);
+    save(expired, t).await;
+    tokio::time::sleep(short + Duration::from_millis(100)).await;
+    match claim(expired, 2, LEASE, TTL).await {
+        ClaimOutcome::Claimed(c) => {
+            assert!(!c.takeover);
+            assert_eq!(c.recovery_point, None);
+        }
+        other => panic!("expected a first claim, got {other:?}"),
+    }
+    assert_eq!(point_column(&url, &table, &expired).await, Some(false));
+    drop(store);
+    schema.drop_now().await;
+}
+
+/// A takeover whose reply is lost is read back with the point it was handed, and a save whose
+/// reply is lost is sent again and answers Ok.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_replies_of_a_takeover_and_a_save_keep_the_point() {
+    let Some(url) = pg_support::url() else { return };
+    let schema = TestSchema::create(&url, "rplost").await;
+    let direct = store_in(&url, &schema, 1, "tidem-rp-lost-direct").await;
+    let proxy = Proxy::start(&url).await;
+    let store = PostgresStore::builder()
+        .with_table(&schema.table())
+        .unwrap()
+        .build(pool_from(proxy.config(&url), 1, "tidem-rp-lost"));
+    warm(&store).await;
+    let short = Duration::from_millis(200);
+
+    let id = unique_id("rp-lost");
+    let first = claimed(
+        direct
+            .claim(&ClaimRequest::new(&id, &fp(1), short, TTL))
+            .await
+            .unwrap(),
+    );
+    let point = recovery_point(1, "charged", b"ch_1");
+    // Prepared on the proxied connection, so the next save sent is the one to lose.
+    assert_eq!(
+        store
+            .save_recovery_point(&unique_id("rp-warm"), &first, &point)
+            .await
+            .unwrap_err()
+            .kind(),
+        StoreErrorKind::Fenced
+    );
+    direct
+        .save_recovery_point(&id, &first, &point)
+        .await
+        .unwrap();
+    tokio::time::sleep(short + Duration::from_millis(100)).await;
+
+    let before = proxy.connections();
+    proxy.next_reply(mode::CUT, mode::PASS);
+    let claim = match store
+        .claim(&ClaimRequest::new(&id, &fp(1), LEASE, TTL))
+        .await
+        .expect("read back")
+    {
+        ClaimOutcome::Claimed(c) => c,
+        other => panic!("expected a takeover, got {other:?}"),
+    };
+    assert_eq!(proxy.connections(), before + 1, "the reply was not lost");
+    assert!(claim.takeover);
+    assert_eq!(claim.token.generation(), 2);
+    assert_eq!(claim.recovery_point.as_ref(), Some(&point));
+
+    let next = recovery_point(2, "recorded", b"ch_1/ok");
+    proxy.next_reply(mode::CUT, mode::PASS);
+    store
+        .save_recovery_point(&id, &claim.token, &next)
+        .await
+        .expect("sent again");
+    assert_eq!(proxy.connections(), before + 2, "the reply was not lost");
+    let record = direct.get(&id).await.unwrap().unwrap();
+    assert_eq!(record.recovery_point, Some(next));
+    drop((store, direct));
     schema.drop_now().await;
 }

@@ -39,6 +39,8 @@ async fn cluster_store() -> Option<RedisStore> {
 
 conformance_suite! {
     store: async { Some(Arc::new(cluster_store().await?) as DynStore) },
+    admin: async { Some(Arc::new(cluster_store().await?) as conformance::DynAdminStore) },
+    recovery: async { Some(Arc::new(cluster_store().await?) as DynStore) },
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -237,6 +239,9 @@ mod with_quotas {
         admin: async {
             let store = quota_store(Some(1_000_000), Some(1 << 40)).await?;
             Some(Arc::new(store) as conformance::DynAdminStore)
+        },
+        recovery: async {
+            Some(Arc::new(quota_store(Some(1_000_000), Some(1 << 40)).await?) as DynStore)
         },
     }
 }

@@ -67,6 +67,7 @@ conformance_suite! {
         Some(Arc::new(WithServer { store, server }) as DynStore)
     },
     admin: async { Some(Arc::new(shared_store().await?) as conformance::DynAdminStore) },
+    recovery: async { Some(Arc::new(shared_store().await?) as DynStore) },
 }
 
 /// The same contract with quotas set (too large to refuse anything): every record then lives
@@ -95,6 +96,7 @@ mod with_quotas {
             Some(Arc::new(WithServer { store, server }) as DynStore)
         },
         admin: async { Some(Arc::new(store().await?) as conformance::DynAdminStore) },
+        recovery: async { Some(Arc::new(store().await?) as DynStore) },
     }
 }
 

@@ -81,19 +81,32 @@ impl fmt::Debug for SetupError {
 impl StdError for SetupError {}
 
 impl PostgresStore {
-    /// Creates the table, its indexes and the quota function if they do not exist, and brings
-    /// a table made by an earlier version up to date: the `scope` column and its index, and
-    /// the storage settings (`fillfactor` and autovacuum, see the [module docs](super)) where
-    /// the table has none of its own. Run it after upgrading the crate: the statements use
-    /// every column.
+    /// Creates the table, its indexes and the claim function if they do not exist, and brings
+    /// a table made by an earlier version up to date: the `scope` column and its index, the
+    /// `recovery_point` column and its index, and the storage settings (`fillfactor` and
+    /// autovacuum, see the [module docs](super)) where the table has none of its own. Run it
+    /// after upgrading the crate: the statements use every column.
     ///
     /// Idempotent, and safe when many processes run it at once: it takes a transaction-level
     /// advisory lock first, and still treats a lost creation race (SQLSTATE `42P07`, `42710`,
     /// or `23505` on the catalog) as done and checks again. A table that is up to date takes
-    /// no table lock. Adding the scope index to a large existing table blocks writes to it
-    /// while the index builds (the column is added without a rewrite); to avoid that, create
-    /// it first with `CREATE INDEX CONCURRENTLY <table>_scope_idx ON <table> (scope,
-    /// expires_at) WHERE scope IS NOT NULL`. The schema must exist.
+    /// no table lock. Adding the scope or recovery index to a large existing table blocks
+    /// writes to it while the index builds (the columns are added without a rewrite); to
+    /// avoid that, create them first, `CONCURRENTLY`:
+    ///
+    /// ```sql
+    /// CREATE INDEX CONCURRENTLY <table>_scope_idx ON <table> (scope, expires_at)
+    ///     WHERE scope IS NOT NULL;
+    /// CREATE INDEX CONCURRENTLY <table>_recovery_idx ON <table> (expires_at)
+    ///     WHERE recovery_point IS NOT NULL AND state = 0;
+    /// ```
+    ///
+    /// The schema must exist.
+    ///
+    /// The claim function is `<table>_claim_v2`; replicas of an earlier version of this crate
+    /// call `<table>_claim`, which is left alone, so a rolling upgrade keeps both working. Drop
+    /// `<table>_claim` once none runs. (Such a replica ignores the recovery points: it
+    /// neither clears one when it completes, releases or replaces a record, nor hands one on.)
     ///
     /// The server's notices (`relation … already exists, skipping`) are off for its
     /// transaction, so a start against an up-to-date table logs nothing; warnings still come.

@@ -27,27 +27,29 @@
 //!
 //! [`migrate`](PostgresStore::migrate) creates this table (`idempotency_records` unless
 //! [`with_table`](PostgresStoreBuilder::with_table) names another), an index on `expires_at` for
-//! the sweeper, a partial index on `(scope, expires_at)` for per-scope quotas, and the
-//! PL/pgSQL function `<table>_claim` that every claim which writes goes through. The
-//! statements are the `.sql` files of `src/store/postgres/sql/`, one per operation; when the
-//! schema is managed elsewhere, apply `migrate.sql` and `claim_function.sql` (with the
-//! table's name) there. The table:
+//! the sweeper, a partial index on `(scope, expires_at)` for per-scope quotas, a partial index
+//! `<table>_recovery_idx` on `expires_at` of the records in progress that hold a recovery
+//! point, and the PL/pgSQL function `<table>_claim_v2` that every claim which writes goes
+//! through. The statements are the `.sql` files of `src/store/postgres/sql/`, one per
+//! operation; when the schema is managed elsewhere, apply `migrate.sql` and
+//! `claim_function.sql` (with the table's name) there. The table:
 //!
 //! ```sql
 //! CREATE TABLE idempotency_records (
-//!     id           bytea       PRIMARY KEY,  -- RecordId, 32 bytes (below)
-//!     fingerprint  bytea       NOT NULL,     -- 32 bytes
-//!     state        smallint    NOT NULL,     -- 0 in progress, 1 response, 2 tombstone
-//!     generation   bigint      NOT NULL,     -- 1 for a first claim, + 1 per takeover
-//!     nonce        bytea       NOT NULL,     -- the token's random part, 16 bytes
-//!     locked_until timestamptz NOT NULL,     -- end of the holder's lease
-//!     status       smallint,                 -- the recorded answer, once completed
-//!     headers      bytea,
-//!     body         bytea,
-//!     trailers     bytea,                    -- NULL: the response had no trailers
-//!     created_at   timestamptz NOT NULL,
-//!     expires_at   timestamptz NOT NULL,     -- end of retention
-//!     scope        bytea                     -- ScopeId (32 bytes), only with quotas on
+//!     id             bytea       PRIMARY KEY,  -- RecordId, 32 bytes (below)
+//!     fingerprint    bytea       NOT NULL,     -- 32 bytes
+//!     state          smallint    NOT NULL,     -- 0 in progress, 1 response, 2 tombstone
+//!     generation     bigint      NOT NULL,     -- 1 for a first claim, + 1 per takeover
+//!     nonce          bytea       NOT NULL,     -- the token's random part, 16 bytes
+//!     locked_until   timestamptz NOT NULL,     -- end of the holder's lease
+//!     status         smallint,                 -- the recorded answer, once completed
+//!     headers        bytea,
+//!     body           bytea,
+//!     trailers       bytea,                    -- NULL: the response had no trailers
+//!     created_at     timestamptz NOT NULL,
+//!     expires_at     timestamptz NOT NULL,     -- end of retention
+//!     scope          bytea,                    -- ScopeId (32 bytes), only with quotas on
+//!     recovery_point bytea                     -- RecoveryPoint::encode, while in progress
 //! );
 //! ```
 //!
@@ -78,7 +80,7 @@
 //! - **The claim is one statement and one round trip**, and it reads before it writes
 //!   (claim.sql). It first reads the row by its primary key. A completed record or a live
 //!   lease (a replay, a conflict, a mismatch) is the answer, and the writing half, the
-//!   PL/pgSQL function `<table>_claim` (claim_function.sql), is skipped by a one-time
+//!   PL/pgSQL function `<table>_claim_v2` (claim_function.sql), is skipped by a one-time
 //!   filter: a replay is one index lookup and writes nothing. Otherwise the function claims:
 //!   it inserts an absent key (`INSERT … ON CONFLICT (id) DO NOTHING`); when a row is there
 //!   it reads it again with a fresh snapshot and, in one statement, replaces an expired row
@@ -88,6 +90,14 @@
 //!   handler runs: no transaction and no pool connection is held while the handler works.
 //! - **Fencing**: `extend`, `complete` and `release` put the generation *and* the nonce in
 //!   their `WHERE` clause. Zero rows is [`StoreErrorKind::Fenced`], and nothing was written.
+//! - **Recovery points** (save_point.sql, recoverable.sql): a save is an `UPDATE` of the
+//!   `recovery_point` column, fenced like `extend`. A takeover keeps the point and the claim
+//!   returns it; `complete`, `release` and the replacement of an expired record set it to
+//!   `NULL`. The partial index `<table>_recovery_idx` (`ON (expires_at) WHERE recovery_point
+//!   IS NOT NULL AND state = 0`) holds only the records that saved one, so
+//!   [`recoverable`](crate::store::IdempotencyStore::recoverable) reads those alone and sorts
+//!   them by lease. It is keyed on `expires_at`, not the lease: an index on `locked_until`
+//!   would make every lease renewal, of every record, a non-HOT update.
 //! - **A key keeps its history** (release.sql): `release` deletes a first claim's row, but
 //!   keeps a takeover's, its lease ended at `statement_timestamp()` and its nonce replaced by
 //!   one no claim holds, so the next claim of the same request takes over with the generation
@@ -258,6 +268,9 @@
 //! room, which `fillfactor = 80` leaves: no index entry. With quotas on, the partial scope
 //! index adds one entry per new key and one per completion; with them off it gets none.
 //! A takeover or the replacement of an expired record is an UPDATE like the completion.
+//! A request that saves no recovery point writes nothing more for them: the recovery index
+//! gets no entry and its renewals stay HOT. Each save is an UPDATE that is not HOT (the
+//! column is in that index's predicate): one entry in each index.
 //!
 //! # TLS
 //!
@@ -552,7 +565,9 @@ mod tests {
         crate::store::equal_nonces_with_different_fingerprints_claim_once(&store).await;
         let client = store.pool().get().await.unwrap();
         client
-            .batch_execute(&format!("DROP TABLE {table}; DROP FUNCTION {table}_claim"))
+            .batch_execute(&format!(
+                "DROP TABLE {table}; DROP FUNCTION {table}_claim_v2"
+            ))
             .await
             .unwrap();
     }

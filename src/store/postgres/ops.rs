@@ -1,6 +1,6 @@
 //! The operations: the [`IdempotencyStore`] and [`IdempotencyAdmin`] implementations, one
-//! statement each (claim.sql, extend.sql, complete.sql, release.sql, get.sql; inspect.sql and
-//! remove.sql for operators).
+//! statement each (claim.sql, extend.sql, complete.sql, release.sql, get.sql; save_point.sql
+//! and recoverable.sql for recovery points; inspect.sql and remove.sql for operators).
 
 use std::time::Duration;
 
@@ -14,6 +14,7 @@ use super::rows::{
 };
 use super::PostgresStore;
 use crate::record::{Completion, Fingerprint, Record, RecordId, ScopeId, Token};
+use crate::recovery::RecoveryPoint;
 use crate::store::{
     ClaimOutcome, ClaimRequest, IdempotencyAdmin, IdempotencyStore, RecordInfo, Removal,
     StoreError, StoreErrorKind,
@@ -131,6 +132,65 @@ impl IdempotencyStore for PostgresStore {
             .run(&self.sql.get, &[&id.as_bytes().as_slice()], true)
             .await?;
         rows.first().map(decode_record).transpose()
+    }
+
+    async fn save_recovery_point(
+        &self,
+        id: &RecordId,
+        token: &Token,
+        point: &RecoveryPoint,
+    ) -> Result<(), StoreError> {
+        let encoded = point.encode();
+        // `RecoveryPoint::new` enforces the caps; the column itself has no constraint.
+        if encoded.len() > RecoveryPoint::MAX_ENCODED {
+            return Err(StoreError::with_source(
+                StoreErrorKind::TooLarge,
+                format!(
+                    "the recovery point is {} bytes encoded, over the cap of {} bytes; \
+                     nothing was saved",
+                    encoded.len(),
+                    RecoveryPoint::MAX_ENCODED
+                ),
+            ));
+        }
+        // Like extend: a resend writes the same point again, so a lost reply needs no
+        // read-back, and zero rows is a stale token.
+        let (generation, nonce) = token_params(token);
+        let params: [&(dyn ToSql + Sync); 4] = [
+            &id.as_bytes().as_slice(),
+            &generation,
+            &nonce,
+            &encoded.as_slice(),
+        ];
+        let rows = self.run(&self.sql.save_point, &params, false).await?;
+        if rows.is_empty() {
+            return Err(StoreError::new(StoreErrorKind::Fenced));
+        }
+        Ok(())
+    }
+
+    async fn recoverable(&self, limit: usize) -> Result<Vec<(RecordId, Record)>, StoreError> {
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        let most = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows = self.run(&self.sql.recoverable, &[&most], true).await?;
+        let mut found = Vec::with_capacity(rows.len());
+        for row in &rows {
+            let id: Vec<u8> = column(row, "id")?;
+            let Ok(id) = <[u8; 32]>::try_from(id.as_slice()).map(RecordId::from_bytes) else {
+                return Err(corrupt(CorruptRow("id is not 32 bytes")));
+            };
+            match decode_record(row) {
+                Ok(record) => found.push((id, record)),
+                // One bad row must not stop every sweep: left for an operator.
+                Err(e) if e.kind() == StoreErrorKind::Corrupt => {
+                    tracing::warn!(record = %id.to_hex(), error = %e, "corrupt record among the recoverable, skipped");
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(found)
     }
 }
 

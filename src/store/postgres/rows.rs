@@ -14,6 +14,7 @@ use crate::record::{
     get_headers, get_vary, put_headers, put_vary, Completion, Fingerprint, Record, RecordId,
     RecordState, StoredResponse, Token, VaryGuard,
 };
+use crate::recovery::RecoveryPoint;
 use crate::store::{Claim, ClaimOutcome, StoreError, StoreErrorKind};
 
 /// Leases and TTLs reach SQL as whole microseconds, capped at 100 years (3.2e15 µs):
@@ -115,8 +116,20 @@ fn generation(row: &Row) -> Result<u64, StoreError> {
     u64::try_from(g).map_err(|_| corrupt(CorruptRow("negative generation")))
 }
 
+/// The `recovery_point` column of a record in progress. A completed record has none, whatever
+/// the column holds (a replica of an earlier version completes without clearing it).
+fn recovery_point(row: &Row, state: i16) -> Result<Option<RecoveryPoint>, StoreError> {
+    if state != IN_PROGRESS {
+        return Ok(None);
+    }
+    let bytes: Option<Vec<u8>> = column(row, "recovery_point")?;
+    bytes
+        .map(|b| RecoveryPoint::decode(Bytes::from(b)).map_err(corrupt))
+        .transpose()
+}
+
 /// Reads the record columns: generation, fingerprint, state, lease_us, status, headers,
-/// body, trailers.
+/// body, trailers, recovery_point.
 pub(super) fn decode_record(row: &Row) -> Result<Record, StoreError> {
     let fp: Vec<u8> = column(row, "fingerprint")?;
     let fingerprint = Fingerprint::from_bytes(
@@ -124,6 +137,7 @@ pub(super) fn decode_record(row: &Row) -> Result<Record, StoreError> {
             .map_err(|_| corrupt(CorruptRow("fingerprint is not 32 bytes")))?,
     );
     let state: i16 = column(row, "state")?;
+    let point = recovery_point(row, state)?;
     let status = || -> Result<StatusCode, StoreError> {
         let s: i16 = column(row, "status")?;
         u16::try_from(s)
@@ -155,7 +169,7 @@ pub(super) fn decode_record(row: &Row) -> Result<Record, StoreError> {
         _ => return Err(corrupt(CorruptRow("unknown state"))),
     };
     let generation = generation(row)?;
-    let record = Record::new(fingerprint, generation, state);
+    let record = Record::new(fingerprint, generation, state).with_recovery_point(point);
     // Statements that do not read the nonce leave the holder unknown.
     let nonce: Option<Vec<u8>> = row.try_get("nonce").ok();
     Ok(match nonce.and_then(|n| <[u8; 16]>::try_from(n).ok()) {
@@ -184,11 +198,12 @@ pub(super) fn decode_claim(
         return Err(StoreError::new(StoreErrorKind::QuotaExceeded));
     }
     let generation = generation(row)?;
-    let claimed = |generation: u64, lapsed_for: Option<Duration>| {
-        // A new or replaced record starts at generation 1; a takeover is always above it.
+    let claimed = |generation: u64, lapsed_for: Option<Duration>, point| {
+        // A new or replaced record starts at generation 1; a takeover is always above it,
+        // and is handed the record's recovery point.
         let token = Token::from_parts(generation, *nonce);
         Ok(Some(ClaimOutcome::Claimed(if generation > 1 {
-            Claim::takeover(token, lapsed_for)
+            Claim::takeover(token, lapsed_for).with_recovery_point(point)
         } else {
             Claim::first(token)
         })))
@@ -197,7 +212,7 @@ pub(super) fn decode_claim(
         INSERTED | UPDATED => {
             let lapsed_us: Option<i64> = column(row, "lapsed_us")?;
             let lapsed = lapsed_us.map(|us| Duration::from_micros(u64::try_from(us).unwrap_or(0)));
-            claimed(generation, lapsed)
+            claimed(generation, lapsed, recovery_point(row, IN_PROGRESS)?)
         }
         EXISTING => {
             let held: Vec<u8> = column(row, "nonce")?;
@@ -209,8 +224,8 @@ pub(super) fn decode_claim(
                 && held.as_slice() == nonce.as_slice()
                 && record.fingerprint == *fingerprint
             {
-                // Read back after a lost reply: the lapse is no longer known.
-                return claimed(generation, None);
+                // Read back after a lost reply: the lapse is no longer known; the point is.
+                return claimed(generation, None, record.recovery_point);
             }
             Ok(Some(ClaimOutcome::Existing(record)))
         }

@@ -19,6 +19,7 @@ pub(super) struct Table {
     /// Unquoted: `migrate` looks them up in the catalog, then creates them beside the table.
     expires_index_name: String,
     scope_index_name: String,
+    recovery_index_name: String,
     /// The claim function (claim_function.sql), schema-qualified like the table.
     function: String,
     /// The migration lock (one-`bigint` advisory lock space).
@@ -72,12 +73,20 @@ impl Table {
             quoted,
             expires_index_name: format!("{table}_expires_at_idx"),
             scope_index_name: format!("{table}_scope_idx"),
-            function: qualify(&format!("{table}_claim")),
+            recovery_index_name: format!("{table}_recovery_idx"),
+            function: qualify(&format!("{table}_claim{FUNCTION_VERSION}")),
             lock_key: i64::from_be_bytes(key),
             lock_class: i32::from_be_bytes(class),
         })
     }
 }
+
+/// The claim function's name ends in the version of its result columns. `CREATE OR REPLACE`
+/// cannot change a function's result type, and replicas of an earlier version of this crate
+/// keep calling (and their `migrate` keeps creating) the function their claim statement
+/// names: each version gets its own, so a rolling upgrade never breaks the other's claims.
+/// Version 2 added the recovery point. Version 1 was named `<table>_claim`.
+const FUNCTION_VERSION: &str = "_v2";
 
 /// A row is expired past `expires_at`, unless its lease is still live. `r` is the record row;
 /// the `.sql` files write `{expired}` for it.
@@ -99,6 +108,8 @@ pub(super) struct Sql {
     pub(super) sweep: String,
     pub(super) inspect: String,
     pub(super) remove: String,
+    pub(super) save_point: String,
+    pub(super) recoverable: String,
 }
 
 /// A statement file for `table`: comment lines and indentation dropped (shorter text to send,
@@ -132,7 +143,12 @@ impl Sql {
                 &format!("\"{}\"", table.expires_index_name),
             )
             .replace("{scope_index_name}", &table.scope_index_name)
-            .replace("{scope_index}", &format!("\"{}\"", table.scope_index_name));
+            .replace("{scope_index}", &format!("\"{}\"", table.scope_index_name))
+            .replace("{recovery_index_name}", &table.recovery_index_name)
+            .replace(
+                "{recovery_index}",
+                &format!("\"{}\"", table.recovery_index_name),
+            );
         Self {
             // One simple-query message: the function is created in the migration's
             // transaction, under its lock.
@@ -149,6 +165,8 @@ impl Sql {
             sweep: load(include_str!("sql/sweep.sql"), table),
             inspect: load(include_str!("sql/inspect.sql"), table),
             remove: load(include_str!("sql/remove.sql"), table),
+            save_point: load(include_str!("sql/save_point.sql"), table),
+            recoverable: load(include_str!("sql/recoverable.sql"), table),
         }
     }
 }
@@ -183,11 +201,12 @@ mod tests {
         let t = Table::parse("app.records").unwrap();
         assert_eq!(t.quoted, "\"app\".\"records\"");
         assert_eq!(t.expires_index_name, "records_expires_at_idx");
-        assert_eq!(t.function, "\"app\".\"records_claim\"");
+        assert_eq!(t.function, "\"app\".\"records_claim_v2\"");
+        assert_eq!(t.recovery_index_name, "records_recovery_idx");
         let other = Table::parse("records").unwrap();
         assert_ne!(t.lock_key, other.lock_key);
         assert_ne!(t.lock_class, other.lock_class);
-        assert_eq!(other.function, "\"records_claim\"");
+        assert_eq!(other.function, "\"records_claim_v2\"");
     }
 
     #[test]
@@ -206,6 +225,8 @@ mod tests {
             &sql.sweep,
             &sql.inspect,
             &sql.remove,
+            &sql.save_point,
+            &sql.recoverable,
         ] {
             // `'{}'` (an empty array) is SQL; `{name}` would be a placeholder left behind.
             let left = text
@@ -219,6 +240,6 @@ mod tests {
         // The function works on its arguments, never on a caller's parameters.
         let body = &sql.migrate[sql.migrate.find("CREATE OR REPLACE FUNCTION").unwrap()..];
         assert!(!body.contains("$1"), "{body}");
-        assert!(sql.claim.contains("\"app\".\"records_claim\"($1::bytea"));
+        assert!(sql.claim.contains("\"app\".\"records_claim_v2\"($1::bytea"));
     }
 }

@@ -208,6 +208,7 @@ mod error;
 mod events;
 mod follow;
 mod record;
+mod recovery;
 mod scripts;
 mod setup;
 
@@ -228,6 +229,7 @@ pub use setup::{RedisStoreBuilder, SetupError};
 
 use super::{Claim, ClaimOutcome, ClaimRequest, IdempotencyStore, StoreError, StoreErrorKind};
 use crate::record::{Completion, Fingerprint, Record, RecordId, RecordState, ScopeId, Token};
+use crate::recovery::RecoveryPoint;
 use error::{corrupt, fenced, shortfall, unknown, BadReply, Failure};
 use record::Found;
 use scripts::{Lua, Scripts};
@@ -611,18 +613,21 @@ impl RedisStore {
         lua: &Lua,
         args: &[&[u8]],
         settled: impl Fn(Option<&Found>) -> Option<Result<(), StoreError>>,
-    ) -> Result<(), StoreError> {
+    ) -> Result<Done, StoreError> {
         let key = keys.record.as_str();
         let mut lost = None;
         for _ in 0..2 {
             match self.eval(lua, keys, args).await {
-                Ok(Value::Int(1)) => return Ok(()),
+                Ok(Value::Int(1)) => return Ok(Done::Written),
+                Ok(Value::Int(2)) => return Ok(Done::DroppedPoint),
                 Ok(Value::Int(0)) => return Err(fenced()),
                 Ok(_) => return Err(corrupt("fenced script reply")),
                 Err(Failure::Certain(e)) => return Err(e),
                 Err(Failure::Uncertain(e)) => match self.read(key).await {
                     Ok(found) => match settled(found.as_ref()) {
-                        Some(result) => return result,
+                        // Read back: whether a point went with it is no longer known, and
+                        // the recovery worker's sweep forgets it if so.
+                        Some(result) => return result.map(|()| Done::Written),
                         None => lost = Some(e),
                     },
                     Err(_) => return Err(StoreError::with_source(StoreErrorKind::Unknown, e)),
@@ -631,6 +636,14 @@ impl RedisStore {
         }
         Err(unknown(lost))
     }
+}
+
+/// What a fenced script did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Done {
+    Written,
+    /// Completed, and dropped the record's recovery point with it.
+    DroppedPoint,
 }
 
 /// The failure of a call made while the store looks for its primary: nothing was sent.
@@ -689,10 +702,19 @@ fn parse_claim(replies: Vec<Value>, nonce: [u8; 16]) -> Result<Option<ClaimOutco
                 return Err(corrupt("takeover reply").into());
             };
             let lapsed = Duration::from_millis(u64::try_from(lapsed).unwrap_or(0));
-            return Ok(Some(claimed(positive(g)?, nonce, Some(lapsed))));
+            let claim = claimed(positive(g)?, nonce, Some(lapsed));
+            return Ok(Some(with_point(claim, value, nonce)?));
         }
         _ => return Err(corrupt("claim reply").into()),
     };
+    if n > 1 {
+        // This nonce's takeover, sent again: the recovery point is still the one it took over.
+        return Ok(Some(with_point(
+            claimed(positive(n)?, nonce, None),
+            value,
+            nonce,
+        )?));
+    }
     if n > 0 {
         return Ok(Some(claimed(positive(n)?, nonce, None)));
     }
@@ -710,6 +732,24 @@ fn parse_claim(replies: Vec<Value>, nonce: [u8; 16]) -> Result<Option<ClaimOutco
         RecordState::InProgress { .. } => return Ok(None),
     }
     Ok(Some(ClaimOutcome::Existing(found.record)))
+}
+
+/// A takeover's claim, handed the recovery point of the record the claim's `GET` read (only
+/// a takeover pays for decoding it). Gone or changed since (another claim's nonce): none.
+fn with_point(claim: ClaimOutcome, value: Value, nonce: [u8; 16]) -> Result<ClaimOutcome, Failure> {
+    let ClaimOutcome::Claimed(claim) = claim else {
+        return Ok(claim);
+    };
+    let point = match record::value_bytes(value)? {
+        Some(v) => {
+            let found = record::decode(v, 0)?;
+            (found.nonce == nonce)
+                .then_some(found.record.recovery_point)
+                .flatten()
+        }
+        None => None,
+    };
+    Ok(ClaimOutcome::Claimed(claim.with_recovery_point(point)))
 }
 
 fn positive(n: i64) -> Result<u64, StoreError> {
@@ -781,7 +821,12 @@ impl RedisStore {
                             && found.record.fingerprint == *fingerprint =>
                     {
                         // Read back after a lost reply: the lapse is no longer known.
-                        claimed(found.record.generation, nonce, None)
+                        match claimed(found.record.generation, nonce, None) {
+                            ClaimOutcome::Claimed(c) if c.takeover => ClaimOutcome::Claimed(
+                                c.with_recovery_point(found.record.recovery_point),
+                            ),
+                            other => other,
+                        }
                     }
                     Ok(Some(found)) => ClaimOutcome::Existing(found.record),
                     // The claim never arrived (the read went after it on the same
@@ -837,6 +882,7 @@ impl IdempotencyStore for RedisStore {
             _ => Some(Err(fenced())),
         })
         .await
+        .map(drop)
     }
 
     async fn complete(
@@ -861,6 +907,10 @@ impl IdempotencyStore for RedisStore {
                     .await
                 {
                     Ok((Value::Int(1), acked)) => return shortfall(acked, wait.0),
+                    Ok((Value::Int(2), acked)) => {
+                        self.forget_recoverable(id).await;
+                        return shortfall(acked, wait.0);
+                    }
                     Ok((Value::Int(0), _)) => return Err(fenced()),
                     Ok(_) => return Err(corrupt("complete script reply")),
                     Err(Failure::Certain(e)) => return Err(e),
@@ -877,12 +927,16 @@ impl IdempotencyStore for RedisStore {
             }
             return Err(unknown(lost));
         }
-        self.fenced(&keys, lua, &args, |found| match found {
-            Some(f) if f.held_by(token) && f.completed() => Some(Ok(())),
-            Some(f) if f.held_by(token) => None,
-            _ => Some(Err(fenced())),
-        })
-        .await?;
+        let done = self
+            .fenced(&keys, lua, &args, |found| match found {
+                Some(f) if f.held_by(token) && f.completed() => Some(Ok(())),
+                Some(f) if f.held_by(token) => None,
+                _ => Some(Err(fenced())),
+            })
+            .await?;
+        if done == Done::DroppedPoint {
+            self.forget_recoverable(id).await;
+        }
         self.replicate(key).await
     }
 
@@ -901,6 +955,20 @@ impl IdempotencyStore for RedisStore {
             Some(_) => Some(Err(fenced())),
         })
         .await
+        .map(drop)
+    }
+
+    async fn save_recovery_point(
+        &self,
+        id: &RecordId,
+        token: &Token,
+        point: &RecoveryPoint,
+    ) -> Result<(), StoreError> {
+        self.save_point(id, token, point).await
+    }
+
+    async fn recoverable(&self, limit: usize) -> Result<Vec<(RecordId, Record)>, StoreError> {
+        self.recoverable_records(limit).await
     }
 
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {

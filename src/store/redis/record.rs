@@ -3,13 +3,13 @@
 //! | bytes | holds |
 //! |---|---|
 //! | 0 | format: `2`, or `3` for a record counted against a scope's quota |
-//! | 1 | state: `p` in progress, `c` completed |
+//! | 1 | state: `p` in progress, `r` in progress with a recovery point, `c` completed |
 //! | 2..34 | fingerprint, 32 raw bytes |
 //! | 34..50 | nonce of the current claim, 16 raw bytes (a released takeover's: its released token's, see `release.lua`) |
 //! | 50..66 | generation, 16 decimal digits |
 //! | 66..82 | lease deadline, ms since the Unix epoch by Redis `TIME`, 16 decimal digits |
 //! | 82..146 | format `3` only: the scope id, 64 lowercase hex digits |
-//! | rest | once completed: the answer, [`Completion::encode`] bytes |
+//! | rest | once completed: the answer, [`Completion::encode`] bytes; in state `r`: the recovery point, [`RecoveryPoint::encode`] bytes |
 //!
 //! Fixed offsets let the scripts read and rewrite fields with `GETRANGE` and `SETRANGE`,
 //! never touching the answer; the nonce and generation sit side by side (bytes 34..66), so a
@@ -21,6 +21,7 @@ use redis::Value;
 
 use super::error::corrupt;
 use crate::record::{Completion, Fingerprint, Record, RecordState, Token};
+use crate::recovery::RecoveryPoint;
 use crate::store::StoreError;
 
 /// Format byte of a record outside any quota.
@@ -102,10 +103,22 @@ pub(super) fn decode(value: Bytes, now_ms: u64) -> Result<Found, StoreError> {
     let fingerprint: [u8; 32] = value[2..34].try_into().expect("32 bytes");
     let generation = digits(&value[50..66]).ok_or_else(|| corrupt("generation is not digits"))?;
     let nonce: [u8; 16] = value[34..50].try_into().expect("16 bytes");
+    let mut point = None;
     let state = match value[1] {
         b'p' if value.len() == header => {
             let deadline =
                 digits(&value[66..82]).ok_or_else(|| corrupt("lease deadline is not digits"))?;
+            RecordState::InProgress {
+                lease_remaining: std::time::Duration::from_millis(deadline.saturating_sub(now_ms)),
+            }
+        }
+        b'r' => {
+            let deadline =
+                digits(&value[66..82]).ok_or_else(|| corrupt("lease deadline is not digits"))?;
+            point =
+                Some(RecoveryPoint::decode(value.slice(header..)).map_err(|e| {
+                    StoreError::with_source(crate::store::StoreErrorKind::Corrupt, e)
+                })?);
             RecordState::InProgress {
                 lease_remaining: std::time::Duration::from_millis(deadline.saturating_sub(now_ms)),
             }
@@ -119,7 +132,8 @@ pub(super) fn decode(value: Bytes, now_ms: u64) -> Result<Found, StoreError> {
     };
     Ok(Found {
         record: Record::new(Fingerprint::from_bytes(fingerprint), generation, state)
-            .with_holder(Token::from_parts(generation, nonce)),
+            .with_holder(Token::from_parts(generation, nonce))
+            .with_recovery_point(point),
         nonce,
     })
 }
@@ -238,6 +252,29 @@ mod tests {
             crate::store::StoreErrorKind::Corrupt
         );
         assert!(value_bytes(Value::Nil).unwrap().is_none());
+    }
+
+    #[test]
+    fn a_record_with_a_recovery_point_decodes_in_progress_with_it() {
+        let point =
+            RecoveryPoint::new("charged", Bytes::from_static(b"pay_1"), Some("shop"), 1).unwrap();
+        let mut v = in_progress(10_500);
+        v[1] = b'r';
+        v.extend_from_slice(&point.encode());
+        let found = decode(Bytes::from(v.clone()), 10_000).unwrap();
+        assert_eq!(found.record.recovery_point, Some(point));
+        assert_eq!(
+            found.record.state,
+            RecordState::InProgress {
+                lease_remaining: Duration::from_millis(500)
+            }
+        );
+        // A truncated point is corrupt, not a record without one.
+        v.pop();
+        assert_eq!(
+            decode(Bytes::from(v), 0).unwrap_err().kind(),
+            crate::store::StoreErrorKind::Corrupt
+        );
     }
 
     #[test]

@@ -46,6 +46,8 @@ pub(super) struct Scripts {
     pub(super) complete: Lua,
     pub(super) release: Lua,
     pub(super) remove: Lua,
+    pub(super) save: Lua,
+    pub(super) index: Lua,
 }
 
 impl Scripts {
@@ -56,16 +58,20 @@ impl Scripts {
             complete: Lua::new(include_str!("lua/complete.lua")),
             release: Lua::new(include_str!("lua/release.lua")),
             remove: Lua::new(include_str!("lua/remove.lua")),
+            save: Lua::new(include_str!("lua/save.lua")),
+            index: Lua::new(include_str!("lua/index.lua")),
         }
     }
 
-    pub(super) fn all(&self) -> [&Lua; 5] {
+    pub(super) fn all(&self) -> [&Lua; 7] {
         [
             &self.claim,
             &self.extend,
             &self.complete,
             &self.release,
             &self.remove,
+            &self.save,
+            &self.index,
         ]
     }
 }

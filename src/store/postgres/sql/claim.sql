@@ -8,13 +8,16 @@
 -- (outcome 2), and the function that writes is never called: its one-time filter is false.
 -- So a replay costs one index lookup and writes nothing. Otherwise (absent, expired, or a
 -- lapsed lease with the same fingerprint) the function claim_function.sql defines claims.
+-- A record in progress comes with its recovery point: our own takeover read back after a
+-- lost reply must still hand it on.
 WITH cur AS MATERIALIZED (
     SELECT 2::smallint AS outcome, r.generation, r.nonce, r.fingerprint, r.state,
            CASE WHEN r.state = 0
                 THEN GREATEST(0, EXTRACT(EPOCH FROM (r.locked_until - statement_timestamp()))
                                  * 1000000)::bigint
            END AS lease_us,
-           r.status, r.headers, r.body, r.trailers, NULL::bigint AS lapsed_us
+           r.status, r.headers, r.body, r.trailers, NULL::bigint AS lapsed_us,
+           CASE WHEN r.state = 0 THEN r.recovery_point END AS recovery_point
       FROM {table} AS r
      WHERE r.id = $1::bytea
        AND NOT {expired}

@@ -2,7 +2,9 @@
 -- the per-scope quota. A function, so that the claim stays one statement and one round trip:
 -- claim.sql answers a replay without calling it, and a single statement could not count a
 -- scope after waiting for the scope's lock (its snapshot is taken before the wait), while
--- each query in a VOLATILE function takes a fresh snapshot (under READ COMMITTED).
+-- each query in a VOLATILE function takes a fresh snapshot (under READ COMMITTED). Its name
+-- ends in the version of its result columns (sql.rs): replicas of an earlier version of the
+-- crate keep calling theirs during a rolling upgrade.
 --
 -- p_scope, p_max_records, p_max_bytes: the scope and its limits, NULL when quotas are off.
 -- Then the quota block is skipped and the record gets no scope.
@@ -24,6 +26,8 @@
 --    Leases start at clock_timestamp(), when the row is written, so time spent waiting on a
 --    row lock does not shorten them. A new record is kept max(lease, ttl); a takeover keeps
 --    its retention and extends it to cover the new lease, so expires_at >= locked_until.
+--    A takeover keeps the record's recovery point and hands it to the new holder (whose next
+--    save replaces it); a replaced expired record loses its point with its answer.
 --    No row comes back when the claim lost a race (`cur` saw no row but the INSERT hit a
 --    concurrent one, or the row changed under the UPDATE): the caller runs it again.
 CREATE OR REPLACE FUNCTION {function}(
@@ -31,7 +35,7 @@ CREATE OR REPLACE FUNCTION {function}(
     p_scope bytea, p_max_records bigint, p_max_bytes bigint)
 RETURNS TABLE (outcome smallint, generation bigint, nonce bytea, fingerprint bytea,
                state smallint, lease_us bigint, status smallint, headers bytea, body bytea,
-               trailers bytea, lapsed_us bigint)
+               trailers bytea, lapsed_us bigint, recovery_point bytea)
 LANGUAGE plpgsql VOLATILE
 AS $claim$
 #variable_conflict use_column
@@ -68,7 +72,7 @@ BEGIN
             IF over THEN
                 RETURN QUERY SELECT 3::smallint, NULL::bigint, NULL::bytea, NULL::bytea,
                                     NULL::smallint, NULL::bigint, NULL::smallint, NULL::bytea,
-                                    NULL::bytea, NULL::bytea, NULL::bigint;
+                                    NULL::bytea, NULL::bytea, NULL::bigint, NULL::bytea;
                 RETURN;
             END IF;
         END IF;
@@ -86,14 +90,14 @@ BEGIN
     IF inserted IS NOT NULL THEN
         RETURN QUERY SELECT 0::smallint, inserted, NULL::bytea, NULL::bytea, NULL::smallint,
                             NULL::bigint, NULL::smallint, NULL::bytea, NULL::bytea,
-                            NULL::bytea, NULL::bigint;
+                            NULL::bytea, NULL::bigint, NULL::bytea;
         RETURN;
     END IF;
     -- A row is there (committed since claim.sql looked, or one to replace or take over).
     RETURN QUERY
     WITH cur AS MATERIALIZED (
         SELECT r.nonce, r.generation, r.fingerprint, r.state, r.locked_until,
-               r.status, r.headers, r.body, r.trailers,
+               r.status, r.headers, r.body, r.trailers, r.recovery_point,
                (r.expires_at <= statement_timestamp()
                 AND NOT (r.state = 0 AND r.locked_until > statement_timestamp())) AS expired,
                (r.state = 0 AND r.locked_until <= statement_timestamp()
@@ -124,25 +128,27 @@ BEGIN
                                           clock_timestamp() + p_lease * interval '1 microsecond')
                             END,
                status = NULL, headers = NULL, body = NULL, trailers = NULL,
+               recovery_point = CASE WHEN {expired} THEN NULL ELSE r.recovery_point END,
                scope = COALESCE(p_scope, r.scope)
          WHERE r.id = p_id
            AND ({expired}
                 OR (r.state = 0 AND r.locked_until <= statement_timestamp()
                     AND r.fingerprint = p_fingerprint))
            AND EXISTS (SELECT FROM cur WHERE cur.expired OR cur.lapsed)
-        RETURNING r.generation
+        RETURNING r.generation, r.recovery_point
     )
     SELECT 0::smallint AS outcome, generation, NULL::bytea AS nonce,
            NULL::bytea AS fingerprint, NULL::smallint AS state, NULL::bigint AS lease_us,
            NULL::smallint AS status, NULL::bytea AS headers, NULL::bytea AS body,
-           NULL::bytea AS trailers, NULL::bigint AS lapsed_us
+           NULL::bytea AS trailers, NULL::bigint AS lapsed_us, NULL::bytea AS recovery_point
       FROM ins
     UNION ALL
     -- How long the replaced lease had lapsed, from the row as `cur` saw it.
     SELECT 1::smallint, generation, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
            (SELECT GREATEST(0, EXTRACT(EPOCH FROM (clock_timestamp() - cur.locked_until))
                                * 1000000)::bigint
-              FROM cur)
+              FROM cur),
+           recovery_point
       FROM upd
     UNION ALL
     SELECT 2::smallint, generation, nonce, fingerprint, state,
@@ -150,7 +156,8 @@ BEGIN
                 THEN GREATEST(0, EXTRACT(EPOCH FROM (locked_until - statement_timestamp()))
                                  * 1000000)::bigint
            END,
-           status, headers, body, trailers, NULL
+           status, headers, body, trailers, NULL,
+           CASE WHEN state = 0 THEN recovery_point END
       FROM cur
      WHERE NOT expired AND NOT lapsed;
 END

@@ -9,19 +9,20 @@ SET LOCAL client_min_messages = warning;
 SELECT pg_advisory_xact_lock({lock_key});
 
 CREATE TABLE IF NOT EXISTS {table} (
-    id           bytea       PRIMARY KEY CHECK (octet_length(id) = 32),
-    fingerprint  bytea       NOT NULL CHECK (octet_length(fingerprint) = 32),
-    state        smallint    NOT NULL CHECK (state IN (0, 1, 2)),
-    generation   bigint      NOT NULL CHECK (generation > 0),
-    nonce        bytea       NOT NULL CHECK (octet_length(nonce) = 16),
-    locked_until timestamptz NOT NULL,
-    status       smallint,
-    headers      bytea,
-    body         bytea,
-    trailers     bytea,
-    created_at   timestamptz NOT NULL,
-    expires_at   timestamptz NOT NULL,
-    scope        bytea       CHECK (octet_length(scope) = 32)
+    id             bytea       PRIMARY KEY CHECK (octet_length(id) = 32),
+    fingerprint    bytea       NOT NULL CHECK (octet_length(fingerprint) = 32),
+    state          smallint    NOT NULL CHECK (state IN (0, 1, 2)),
+    generation     bigint      NOT NULL CHECK (generation > 0),
+    nonce          bytea       NOT NULL CHECK (octet_length(nonce) = 16),
+    locked_until   timestamptz NOT NULL,
+    status         smallint,
+    headers        bytea,
+    body           bytea,
+    trailers       bytea,
+    created_at     timestamptz NOT NULL,
+    expires_at     timestamptz NOT NULL,
+    scope          bytea       CHECK (octet_length(scope) = 32),
+    recovery_point bytea
 );
 
 DO $migrate$
@@ -43,6 +44,15 @@ BEGIN
                     WHERE attrelid = '{table}'::regclass AND attname = 'scope'
                       AND NOT attisdropped) THEN
         ALTER TABLE {table} ADD COLUMN scope bytea CHECK (octet_length(scope) = 32);
+    END IF;
+
+    -- Tables from before recovery points. Nullable, with no default and no constraint, so
+    -- adding it changes the catalog only: no rewrite and no scan of the rows. The store
+    -- bounds its size (RecoveryPoint::MAX_ENCODED).
+    IF NOT EXISTS (SELECT FROM pg_attribute
+                    WHERE attrelid = '{table}'::regclass AND attname = 'recovery_point'
+                      AND NOT attisdropped) THEN
+        ALTER TABLE {table} ADD COLUMN IF NOT EXISTS recovery_point bytea;
     END IF;
 
     -- Set each storage setting the table does not have yet; one an operator set is kept.
@@ -72,6 +82,19 @@ BEGIN
                       AND i.relname = '{scope_index_name}') THEN
         CREATE INDEX IF NOT EXISTS {scope_index} ON {table} (scope, expires_at)
             WHERE scope IS NOT NULL;
+    END IF;
+
+    -- The recovery worker's records. Partial: a record that never saves a point has no entry.
+    -- Keyed on expires_at, not the lease: an indexed lease (or any column a renewal changes)
+    -- would make every renewal, of every record, a non-HOT update with new entries in every
+    -- index; expires_at is indexed already, and bounds the scan (a lapsed lease is expired
+    -- past it). Saving a point changes an indexed column (the predicate's), so the saver
+    -- alone pays for the entry.
+    IF NOT EXISTS (SELECT FROM pg_index AS x JOIN pg_class AS i ON i.oid = x.indexrelid
+                    WHERE x.indrelid = '{table}'::regclass
+                      AND i.relname = '{recovery_index_name}') THEN
+        CREATE INDEX IF NOT EXISTS {recovery_index} ON {table} (expires_at)
+            WHERE recovery_point IS NOT NULL AND state = 0;
     END IF;
 END
 $migrate$;

@@ -67,7 +67,10 @@ if h == '' then
   return 1
 end
 local head = string.sub(h, 1, 2)
-if head ~= '2p' and head ~= '3p' then return 0 end
+-- 'p' in progress, 'r' in progress with a recovery point after the header (save.lua), which
+-- a takeover keeps: the new holder reads it from the GET.
+local state = string.sub(head, 2, 2)
+if state ~= 'p' and state ~= 'r' then return 0 end
 local gen = tonumber(string.sub(h, 51, 66))
 -- Our own claim, sent again after a lost reply: fingerprint and nonce both match (equal
 -- nonces alone never prove it is the same request).
@@ -83,7 +86,7 @@ if deadline <= now and string.sub(h, 3, 34) == string.sub(new, 3, 34) then
     string.sub(new, 35, 50) .. string.format('%016.0f%016.0f', gen, now + lease))
   if redis.call('PTTL', key) < lease then
     redis.call('PEXPIRE', key, ARGV[2])
-    if #KEYS > 1 and head == '3p' then
+    if #KEYS > 1 and string.sub(head, 1, 1) == '3' then
       -- The scope counts the record as long as it lives (and again, should it have been
       -- pruned a moment before its key expired).
       local s = redis.call('GETRANGE', key, 82, 145)

@@ -4,7 +4,8 @@
 -- completed): nothing written. The key lives at least one more lease.
 local key = KEYS[1]
 local h = redis.call('GETRANGE', key, 0, 145)
-if string.sub(h, 35, 66) ~= ARGV[1] or string.sub(h, 2, 2) ~= 'p' then return 0 end
+local state = string.sub(h, 2, 2)
+if string.sub(h, 35, 66) ~= ARGV[1] or (state ~= 'p' and state ~= 'r') then return 0 end
 local t = redis.call('TIME')
 local now = t[1] * 1000 + math.floor(t[2] / 1000)
 local lease = tonumber(ARGV[2])

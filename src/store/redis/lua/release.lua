@@ -14,7 +14,8 @@
 local key = KEYS[1]
 local h = redis.call('GETRANGE', key, 0, 145)
 if h == '' then return 1 end
-if string.sub(h, 2, 2) ~= 'p' then return 0 end
+local state = string.sub(h, 2, 2)
+if state ~= 'p' and state ~= 'r' then return 0 end
 local held = string.sub(h, 35, 66)
 if held == ARGV[3] then return 1 end
 if held ~= ARGV[1] then return 0 end
@@ -23,6 +24,14 @@ if string.sub(h, 51, 66) ~= '0000000000000001' then
   -- (the key then waits out its lease, and is taken over all the same).
   local t = redis.call('TIME')
   local now = t[1] * 1000 + math.floor(t[2] / 1000)
+  if state == 'r' then
+    -- The recovery point goes with the claim: the header alone, in progress ('p').
+    local n = 82
+    if string.sub(h, 1, 1) == '3' then n = 146 end
+    redis.call('SET', key, string.sub(h, 1, 1) .. 'p' .. string.sub(h, 3, 34) .. ARGV[3]
+      .. string.format('%016.0f', now) .. string.sub(h, 83, n), 'KEEPTTL')
+    return 1
+  end
   redis.call('SETRANGE', key, 34, ARGV[3] .. string.format('%016.0f', now))
   return 1
 end

@@ -5,7 +5,9 @@
 local key = KEYS[1]
 local h = redis.call('GETRANGE', key, 0, 145)
 if h == '' then return 0 end
-if string.sub(h, 2, 2) ~= ARGV[1] then return 2 end
+local state = string.sub(h, 2, 2)
+if state == 'r' then state = 'p' end
+if state ~= ARGV[1] then return 2 end
 redis.call('DEL', key)
 if string.sub(h, 1, 1) == '3' and #KEYS == 3 then
   -- As in release.lua: give the scope its record back.
