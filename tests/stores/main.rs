@@ -20,5 +20,6 @@ mod redis_cluster;
 mod redis_layer;
 #[cfg(all(feature = "conformance", feature = "redis"))]
 mod redis_store;
+mod recovery;
 #[cfg(all(feature = "redis-tls", feature = "postgres-tls"))]
 mod tls;
