@@ -11,4 +11,5 @@ mod fingerprint;
 mod grpc;
 mod key_sources;
 mod layer;
+mod recovery_faults;
 mod vary;

@@ -34,7 +34,7 @@ use tower_idempotency::store::{
     ClaimOutcome, ClaimRequest, IdempotencyStore, MemoryStore, StoreError, StoreErrorKind,
 };
 use tower_idempotency::store::{Completion, Record, RecordId, Token};
-use tower_idempotency::RequestBody;
+use tower_idempotency::{RecoveryPoint, RequestBody};
 
 /// Counts every store call, then delegates to a `MemoryStore`.
 #[derive(Debug, Default)]
@@ -196,6 +196,8 @@ pub enum Op {
     Complete,
     Release,
     Get,
+    SaveRecoveryPoint,
+    Recoverable,
 }
 
 /// What [`FaultStore`] does to one call.
@@ -357,6 +359,22 @@ impl<S: IdempotencyStore> IdempotencyStore for FaultStore<S> {
     }
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         self.run(Op::Get, self.inner.get(id)).await
+    }
+    async fn save_recovery_point(
+        &self,
+        id: &RecordId,
+        token: &Token,
+        point: &RecoveryPoint,
+    ) -> Result<(), StoreError> {
+        self.run(
+            Op::SaveRecoveryPoint,
+            self.inner.save_recovery_point(id, token, point),
+        )
+        .await
+    }
+    async fn recoverable(&self, limit: usize) -> Result<Vec<(RecordId, Record)>, StoreError> {
+        self.run(Op::Recoverable, self.inner.recoverable(limit))
+            .await
     }
 }
 

@@ -1,0 +1,304 @@
+//! Recovery points and the recovery worker when store calls hang, fail, or fail after they
+//! took effect (`FaultStore` over the memory store): a hung save fails the step within the
+//! store deadline, a save whose reply was lost took effect all the same, and the worker comes back
+//! from a hung listing, a refused takeover, a lost `complete` reply and a hung `complete`
+//! without recovering anything twice.
+
+use crate::support::{self, post, Fault, FaultStore, Op};
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::Full;
+use tokio::sync::Notify;
+use tower::{service_fn, Layer, ServiceExt};
+use tower_idempotency::store::{
+    IdempotencyStore, MemoryStore, RecordId, RecordState, StoreErrorKind,
+};
+use tower_idempotency::{
+    BoxError, IdempotencyContext, IdempotencyLayer, RecoveryReport, RecoveryWorker, RequestBody,
+    Timing,
+};
+
+const LEASE: Duration = Duration::from_millis(600);
+/// The store deadline: every store call the layer and the worker make ends by then.
+const DEADLINE: Duration = Duration::from_millis(150);
+const LAPSE: Duration = Duration::from_millis(800);
+
+fn layer(store: Arc<FaultStore>) -> IdempotencyLayer {
+    let timing = Timing::new(LEASE, Duration::from_secs(60))
+        .unwrap()
+        .with_store_timeout(DEADLINE)
+        .unwrap();
+    IdempotencyLayer::new(store).unscoped().with_timing(timing)
+}
+
+/// A handler that saves "created" and then, when `die` is set, never goes on (the test
+/// forgets it: a crash). A failed save answers 503 with the error's kind.
+#[derive(Clone, Default)]
+struct App {
+    die: Arc<std::sync::atomic::AtomicBool>,
+    saved: Arc<Notify>,
+    runs: Arc<AtomicUsize>,
+}
+
+impl App {
+    fn service(
+        &self,
+        layer: &IdempotencyLayer,
+    ) -> impl tower::Service<
+        Request<Full<Bytes>>,
+        Response = Response<tower_idempotency::ResponseBody<Full<Bytes>>>,
+        Error = Infallible,
+        Future = impl Send,
+    > + Clone {
+        let app = self.clone();
+        layer
+            .clone()
+            .layer(service_fn(move |req: Request<RequestBody<Full<Bytes>>>| {
+                let app = app.clone();
+                async move {
+                    app.runs.fetch_add(1, Ordering::SeqCst);
+                    let ctx = req
+                        .extensions()
+                        .get::<IdempotencyContext>()
+                        .cloned()
+                        .unwrap();
+                    let status = match ctx.save_recovery_point("created", "pay_1").await {
+                        Ok(()) => {
+                            app.saved.notify_one();
+                            if app.die.load(Ordering::SeqCst) {
+                                std::future::pending::<()>().await;
+                            }
+                            StatusCode::CREATED
+                        }
+                        Err(e) => {
+                            let body = format!("{:?}", e.kind());
+                            let mut res = Response::new(Full::new(Bytes::from(body)));
+                            *res.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+                            return Ok::<_, Infallible>(res);
+                        }
+                    };
+                    let mut res = Response::new(Full::new(Bytes::from_static(b"pay_1")));
+                    *res.status_mut() = status;
+                    Ok(res)
+                }
+            }))
+    }
+
+    /// Sends `key` and forgets the request once its point is saved: the holder died.
+    async fn die_after_saving(&self, layer: &IdempotencyLayer, key: &str) {
+        self.die.store(true, Ordering::SeqCst);
+        let mut fut = Box::pin(self.service(layer).oneshot(post("/pay", Some(key), "{}")));
+        tokio::select! {
+            r = &mut fut => panic!("answered: {:?}", r.map(|r| r.status())),
+            () = self.saved.notified() => {}
+        }
+        std::mem::forget(fut);
+        self.die.store(false, Ordering::SeqCst);
+    }
+}
+
+/// A worker whose recover function answers 201 from the point and counts its calls.
+fn worker(
+    layer: &IdempotencyLayer,
+    calls: &Arc<AtomicUsize>,
+) -> RecoveryWorker<
+    impl Fn(IdempotencyContext) -> std::future::Ready<Result<Response<Bytes>, BoxError>>
+        + Send
+        + Sync
+        + 'static,
+> {
+    let calls = calls.clone();
+    RecoveryWorker::new(layer, move |ctx| {
+        calls.fetch_add(1, Ordering::SeqCst);
+        let point = ctx
+            .recovery_point()
+            .expect("the worker runs records with a point");
+        let mut res = Response::new(point.data().clone());
+        *res.status_mut() = StatusCode::CREATED;
+        std::future::ready(Ok(res))
+    })
+}
+
+fn id(key: &str) -> RecordId {
+    RecordId::new(None, key)
+}
+
+/// (recovered, failed)
+fn got(r: &RecoveryReport) -> (usize, usize) {
+    (r.recovered, r.failed)
+}
+
+#[tokio::test]
+async fn a_save_that_hangs_fails_the_step_within_the_store_deadline() {
+    let store = FaultStore::new(MemoryStore::new());
+    let layer = layer(store.clone());
+    let app = App::default();
+    store.on(Op::SaveRecoveryPoint, 1, Fault::Hang);
+    let sent = Instant::now();
+    let res = app
+        .service(&layer)
+        .oneshot(post("/pay", Some("hung-save"), "{}"))
+        .await
+        .unwrap();
+    let took = sent.elapsed();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        support::body_bytes(res).await,
+        "Unknown",
+        "the outcome is unknown"
+    );
+    assert!(took < LEASE, "bounded by the store deadline, took {took:?}");
+    // The 503 released the claim: the retry runs now, from the start.
+    assert!(store.inner.get(&id("hung-save")).await.unwrap().is_none());
+    let res = app
+        .service(&layer)
+        .oneshot(post("/pay", Some("hung-save"), "{}"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::CREATED);
+    assert_eq!(app.runs.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test]
+async fn a_save_whose_reply_was_lost_took_effect_all_the_same() {
+    let store = FaultStore::new(MemoryStore::new());
+    let layer = layer(store.clone());
+    let app = App::default();
+    store.on(Op::SaveRecoveryPoint, 1, Fault::ApplyThenFail);
+    // The handler saw the save fail and answered 503; the layer released the claim, and
+    // the release dropped the point: a first attempt starts over, nothing half-kept.
+    let res = app
+        .service(&layer)
+        .oneshot(post("/pay", Some("lost-save"), "{}"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(store.inner.get(&id("lost-save")).await.unwrap().is_none());
+
+    // A holder that dies right after a save whose reply was lost: the point landed, and the
+    // worker finds it.
+    store.on(Op::SaveRecoveryPoint, 2, Fault::ApplyThenHang);
+    app.die.store(true, Ordering::SeqCst);
+    let fut = Box::pin(
+        app.service(&layer)
+            .oneshot(post("/pay", Some("lost-save-2"), "{}")),
+    );
+    // The save hangs after taking effect; the handler never gets past it.
+    let waited = tokio::time::timeout(Duration::from_millis(50), fut).await;
+    assert!(waited.is_err(), "still saving");
+    let record = store.inner.get(&id("lost-save-2")).await.unwrap().unwrap();
+    assert_eq!(
+        record.recovery_point.as_ref().map(|p| p.step()),
+        Some("created")
+    );
+}
+
+#[tokio::test]
+async fn the_worker_comes_back_from_a_listing_that_hangs() {
+    let store = FaultStore::new(MemoryStore::new());
+    let layer = layer(store.clone());
+    let app = App::default();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let worker = worker(&layer, &calls);
+    app.die_after_saving(&layer, "hung-list").await;
+    tokio::time::sleep(LAPSE).await;
+    store.on(Op::Recoverable, 1, Fault::Hang);
+    let sent = Instant::now();
+    let e = worker.run_once().await.unwrap_err();
+    assert_eq!(e.kind(), StoreErrorKind::Unknown);
+    assert!(sent.elapsed() < LEASE, "bounded by the store deadline");
+    assert_eq!(got(&worker.run_once().await.unwrap()), (1, 0));
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_refused_takeover_is_tried_again_at_the_next_sweep() {
+    let store = FaultStore::new(MemoryStore::new());
+    let layer = layer(store.clone());
+    let app = App::default();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let worker = worker(&layer, &calls);
+    app.die_after_saving(&layer, "refused").await;
+    tokio::time::sleep(LAPSE).await;
+    // Claim 1 was the request's; the worker's takeover is claim 2.
+    store.on(Op::Claim, 2, Fault::Fail);
+    assert_eq!(got(&worker.run_once().await.unwrap()), (0, 1));
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        0,
+        "nothing ran without a claim"
+    );
+    assert_eq!(got(&worker.run_once().await.unwrap()), (1, 0));
+    let record = store.inner.get(&id("refused")).await.unwrap().unwrap();
+    assert_eq!(record.generation, 2, "the refused claim took nothing");
+}
+
+#[tokio::test]
+async fn a_lost_complete_reply_is_resent_and_the_record_recovered_once() {
+    let store = FaultStore::new(MemoryStore::new());
+    let layer = layer(store.clone());
+    let app = App::default();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let worker = worker(&layer, &calls);
+    app.die_after_saving(&layer, "lost-complete").await;
+    tokio::time::sleep(LAPSE).await;
+    store.on(Op::Complete, 1, Fault::ApplyThenFail);
+    assert_eq!(got(&worker.run_once().await.unwrap()), (1, 0));
+    assert_eq!(store.calls(Op::Complete), 2, "sent once more");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_eq!(got(&worker.run_once().await.unwrap()), (0, 0));
+    let res = app
+        .service(&layer)
+        .oneshot(post("/pay", Some("lost-complete"), "{}"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::CREATED);
+    assert!(res.headers().get("idempotent-replayed").is_some());
+}
+
+#[tokio::test]
+async fn a_complete_that_hangs_leaves_the_record_to_the_next_sweep() {
+    let store = FaultStore::new(MemoryStore::new());
+    let layer = layer(store.clone());
+    let app = App::default();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let worker = worker(&layer, &calls);
+    app.die_after_saving(&layer, "hung-complete").await;
+    tokio::time::sleep(LAPSE).await;
+    store.on(Op::Complete, 1, Fault::Hang);
+    store.on(Op::Complete, 2, Fault::Hang);
+    let sent = Instant::now();
+    assert_eq!(got(&worker.run_once().await.unwrap()), (0, 1));
+    assert!(
+        sent.elapsed() < LEASE,
+        "two bounded tries, took {:?}",
+        sent.elapsed()
+    );
+    // Still in progress under the worker's lapsed claim, its point kept.
+    let record = store
+        .inner
+        .get(&id("hung-complete"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(matches!(record.state, RecordState::InProgress { .. }));
+    assert_eq!(record.generation, 2);
+    assert!(record.recovery_point.is_some());
+    tokio::time::sleep(LAPSE).await;
+    assert_eq!(got(&worker.run_once().await.unwrap()), (1, 0));
+    assert_eq!(calls.load(Ordering::SeqCst), 2, "run again from the point");
+    let record = store
+        .inner
+        .get(&id("hung-complete"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(record.generation, 3);
+    assert!(matches!(record.state, RecordState::Completed(_)));
+}
