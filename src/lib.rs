@@ -105,6 +105,14 @@
 //! `examples/shop` is a complete payments API: `cargo run --example shop`. `examples/grpc` is
 //! the same shop over tonic; [`tonic_guide`] covers gRPC.
 //!
+//! # Resumable work
+//!
+//! A handler that saves a [`RecoveryPoint`] after each step
+//! ([`IdempotencyContext::save_recovery_point`]) is resumed from it when its holder dies:
+//! the client's retry, or a [`RecoveryWorker`] with no retry at all, takes over and reads
+//! the point instead of starting over. The [`resumable`] guide shows the pattern, what to put
+//! in a point, and the window that remains between a step and its save.
+//!
 //! # Webhook receivers
 //!
 //! Webhooks come without an `Idempotency-Key`, but with the sender's own id of the event,
