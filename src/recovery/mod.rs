@@ -23,6 +23,10 @@ use crate::record::{RecordId, RecordState, ScopeId, Token};
 use crate::store::{ClaimOutcome, ClaimRequest, StoreError, StoreErrorKind};
 use crate::{IdempotencyContext, IdempotencyLayer};
 
+/// The most records left for an operator a worker remembers (to log each once, and to list
+/// past them).
+const MAX_LEFT: usize = 1000;
+
 /// What a recover function may fail with.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
@@ -54,11 +58,12 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 /// # }
 /// ```
 ///
-/// **Bounded.** A record is tried while its generation is at most
-/// [`with_max_attempts`](Self::with_max_attempts) (default 5): each takeover, by a client's
-/// retry or by a worker, is one attempt. Past that it is left for an operator
-/// ([`IdempotencyAdmin`](crate::store::IdempotencyAdmin)), logged at `ERROR` once per worker
-/// and counted as `left`, so a record whose recovery always fails never loops.
+/// **Bounded.** A record gets at most [`with_max_attempts`](Self::with_max_attempts) attempts
+/// in all (default 5), its first one included: each takeover, by a client's retry or by a
+/// worker, is one. The worker takes a record over while its generation is below that; past it
+/// the record is left for an operator ([`IdempotencyAdmin`](crate::store::IdempotencyAdmin)),
+/// logged at `ERROR` once per worker and counted as `left`, so a record whose recovery always
+/// fails never loops. Left records do not use up a sweep's batch: the worker lists past them.
 ///
 /// **A failed attempt** (the function returns `Err`, panics, or answers what the layer's
 /// record policy would release, such as a 5xx) is logged and counted as `failed`; the claim
@@ -141,13 +146,24 @@ where
     pub async fn run_once(&self) -> Result<RecoveryReport, StoreError> {
         let store = &self.config.store;
         let timeout = self.config.timing.store_timeout();
-        let found = match tokio::time::timeout(timeout, store.recoverable(self.batch)).await {
+        // Records left for an operator stay listed until they expire: ask for as many more as
+        // this worker has left, so they never crowd out the records still worth trying.
+        let left = self.reported.lock().unwrap_or_else(|e| e.into_inner()).len();
+        let limit = self.batch.saturating_add(left);
+        let found = match tokio::time::timeout(timeout, store.recoverable(limit)).await {
             Ok(found) => found?,
             Err(e) => return Err(StoreError::with_source(StoreErrorKind::Unknown, e)),
         };
         let mut report = RecoveryReport::default();
+        let mut tried = 0;
         for (id, record) in found {
+            if tried == self.batch {
+                break;
+            }
             let outcome = self.recover_one(id, record).await;
+            if !matches!(outcome, Outcome::Left) {
+                tried += 1;
+            }
             crate::metrics::recovery(store.name(), outcome.as_str());
             match outcome {
                 Outcome::Recovered => report.recovered += 1,
@@ -199,12 +215,15 @@ where
             return Outcome::Taken;
         }
         if record.generation >= self.max_attempts {
-            if self
-                .reported
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(id)
-            {
+            let first_time = {
+                let mut reported = self.reported.lock().unwrap_or_else(|e| e.into_inner());
+                // Bounded: past this many, start over (each is logged once more).
+                if reported.len() >= MAX_LEFT && !reported.contains(&id) {
+                    reported.clear();
+                }
+                reported.insert(id)
+            };
+            if first_time {
                 tracing::error!(record = %id, generation = record.generation, step = point.step(), max_attempts = self.max_attempts, "a record with a recovery point reached the most attempts the recovery worker makes; it is left for an operator");
             }
             return Outcome::Left;

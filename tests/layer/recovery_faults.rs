@@ -302,3 +302,31 @@ async fn a_complete_that_hangs_leaves_the_record_to_the_next_sweep() {
     assert_eq!(record.generation, 3);
     assert!(matches!(record.state, RecordState::Completed(_)));
 }
+
+#[tokio::test]
+async fn a_record_left_for_an_operator_does_not_crowd_out_the_others() {
+    let store = FaultStore::new(MemoryStore::new());
+    let layer = layer(store.clone());
+    let app = App::default();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let worker = worker(&layer, &calls)
+        .with_max_attempts(std::num::NonZeroU64::new(2).unwrap())
+        .with_batch(std::num::NonZeroUsize::new(1).unwrap());
+    // "poison" dies twice (generation 2: past the worker's attempts), then "good" once; the
+    // poison record lapsed first, so it is listed first.
+    app.die_after_saving(&layer, "poison").await;
+    tokio::time::sleep(LAPSE).await;
+    app.die_after_saving(&layer, "poison").await;
+    app.die_after_saving(&layer, "good").await;
+    tokio::time::sleep(LAPSE).await;
+    let first = worker.run_once().await.unwrap();
+    assert_eq!((first.left, first.recovered), (1, 0), "{first:?}");
+    // The next sweep lists past the record it left, within the same batch of one.
+    let second = worker.run_once().await.unwrap();
+    assert_eq!((second.left, second.recovered), (1, 1), "{second:?}");
+    let good = store.inner.get(&id("good")).await.unwrap().unwrap();
+    assert!(matches!(good.state, RecordState::Completed(_)));
+    let poison = store.inner.get(&id("poison")).await.unwrap().unwrap();
+    assert_eq!(poison.generation, 2, "never taken over by the worker");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
