@@ -148,7 +148,11 @@ where
         let timeout = self.config.timing.store_timeout();
         // Records left for an operator stay listed until they expire: ask for as many more as
         // this worker has left, so they never crowd out the records still worth trying.
-        let left = self.reported.lock().unwrap_or_else(|e| e.into_inner()).len();
+        let left = self
+            .reported
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .len();
         let limit = self.batch.saturating_add(left);
         let found = match tokio::time::timeout(timeout, store.recoverable(limit)).await {
             Ok(found) => found?,
