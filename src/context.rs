@@ -36,7 +36,7 @@ pub struct IdempotencyContext {
     /// The request's headers when Vary matching is on: a recorded answer's guard needs them.
     request_headers: Option<Arc<HeaderMap>>,
     /// The recovery point the claim found (a takeover's), shared by the context's clones.
-    recovery_point: Option<Arc<RecoveryPoint>>,
+    recovery_point: Option<RecoveryPoint>,
 }
 
 impl fmt::Debug for IdempotencyContext {
@@ -69,7 +69,7 @@ impl IdempotencyContext {
             token,
             config,
             request_headers,
-            recovery_point: recovery_point.map(Arc::new),
+            recovery_point,
         }
     }
 
@@ -79,7 +79,7 @@ impl IdempotencyContext {
     ///
     /// See the [resumable handlers guide](crate::resumable) for what to put in one.
     pub fn recovery_point(&self) -> Option<&RecoveryPoint> {
-        self.recovery_point.as_deref()
+        self.recovery_point.as_ref()
     }
 
     /// Saves where this attempt got to: `step` (1 to [`RecoveryPoint::MAX_STEP`] bytes) and

@@ -1,6 +1,7 @@
 //! [`RecoveryPoint`]: what a handler saves after a step, and how stores keep it.
 
 use std::fmt;
+use std::sync::Arc;
 
 use bytes::{Buf, BufMut, Bytes};
 
@@ -14,8 +15,14 @@ use crate::store::{StoreError, StoreErrorKind};
 /// Small by design: a step name of at most [`MAX_STEP`](Self::MAX_STEP) bytes and data of at
 /// most [`MAX_DATA`](Self::MAX_DATA) bytes. Put ids in it, not payloads: the rows the ids name
 /// live in your own database.
+///
+/// One pointer wide: a record, a claim and a context carry an `Option<RecoveryPoint>` on
+/// every request, and most never hold one.
 #[derive(Clone, PartialEq, Eq)]
-pub struct RecoveryPoint {
+pub struct RecoveryPoint(Arc<Point>);
+
+#[derive(PartialEq, Eq)]
+struct Point {
     step: String,
     data: Bytes,
     /// The scope of the request that saved it, so the recovery worker can name it: stores
@@ -69,42 +76,42 @@ impl RecoveryPoint {
         if let Some(s) = scope.filter(|s| s.len() > MAX_SCOPE) {
             return Err(over("scope", s.len(), MAX_SCOPE));
         }
-        Ok(Self {
+        Ok(Self(Arc::new(Point {
             step: step.to_owned(),
             data,
             scope: scope.map(str::to_owned),
             generation,
-        })
+        })))
     }
 
     /// The step the attempt finished last, as it named it.
     pub fn step(&self) -> &str {
-        &self.step
+        &self.0.step
     }
 
     /// The data it saved with the step.
     pub fn data(&self) -> &Bytes {
-        &self.data
+        &self.0.data
     }
 
     /// The scope of the request (`None`: unscoped).
     pub fn scope(&self) -> Option<&str> {
-        self.scope.as_deref()
+        self.0.scope.as_deref()
     }
 
     /// The generation of the claim that saved it.
     pub fn generation(&self) -> u64 {
-        self.generation
+        self.0.generation
     }
 
     /// The stored form: what a store keeps, at most [`MAX_ENCODED`](Self::MAX_ENCODED) bytes.
     pub fn encode(&self) -> Vec<u8> {
-        let scope = self.scope.as_deref().map(str::as_bytes);
-        let mut out = Vec::with_capacity(
-            14 + scope.map_or(0, <[u8]>::len) + self.step.len() + self.data.len(),
-        );
+        let p = &*self.0;
+        let scope = p.scope.as_deref().map(str::as_bytes);
+        let mut out =
+            Vec::with_capacity(14 + scope.map_or(0, <[u8]>::len) + p.step.len() + p.data.len());
         out.put_u8(VERSION);
-        out.put_u64(self.generation);
+        out.put_u64(p.generation);
         // 0xFFFF: unscoped (a scope is at most MAX_SCOPE bytes).
         match scope {
             None => out.put_u16(u16::MAX),
@@ -113,10 +120,10 @@ impl RecoveryPoint {
                 out.put_slice(s);
             }
         }
-        out.put_u8(self.step.len() as u8);
-        out.put_slice(self.step.as_bytes());
-        out.put_u16(self.data.len() as u16);
-        out.put_slice(&self.data);
+        out.put_u8(p.step.len() as u8);
+        out.put_slice(p.step.as_bytes());
+        out.put_u16(p.data.len() as u16);
+        out.put_slice(&p.data);
         out
     }
 
@@ -151,12 +158,12 @@ impl RecoveryPoint {
         if data_len > Self::MAX_DATA || b.remaining() != data_len {
             return Err(DecodeError::new("recovery point has a bad data length"));
         }
-        Ok(Self {
+        Ok(Self(Arc::new(Point {
             step,
             data: b,
             scope,
             generation,
-        })
+        })))
     }
 }
 
@@ -170,9 +177,9 @@ impl fmt::Debug for RecoveryPoint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // The data may name customers' objects: its size only.
         f.debug_struct("RecoveryPoint")
-            .field("step", &self.step)
-            .field("data_len", &self.data.len())
-            .field("generation", &self.generation)
+            .field("step", &self.step())
+            .field("data_len", &self.data().len())
+            .field("generation", &self.generation())
             .finish_non_exhaustive()
     }
 }
