@@ -182,9 +182,10 @@
 //!
 //! # Requirements
 //!
-//! Redis 5 or later (the scripts read `TIME` before they write, which needs effects
-//! replication, the default since 5); tested with Redis 7.0, single node and cluster. TLS
-//! comes with the `redis-tls` feature.
+//! Redis 6.0 or later (the scripts read `TIME` before they write, which needs effects
+//! replication, the default since 5; saving a recovery point keeps the key's expiry with
+//! `SET … KEEPTTL`, new in 6.0); tested with Redis 7.0, single node and cluster. TLS comes
+//! with the `redis-tls` feature.
 //!
 //! # Key layout and record format
 //!
@@ -197,6 +198,15 @@
 //! `GETRANGE` and `SETRANGE` and never copy the answer) followed, once completed, by the
 //! answer as [`Completion::encode`] bytes. Records in the earlier format (one hash each) read
 //! as [`StoreErrorKind::Corrupt`]: see the changelog.
+//!
+//! A record in progress that saved a [recovery point](crate::RecoveryPoint) has state `r`
+//! and the point after its header; `complete` and `release` drop it. `<prefix>recoverable`
+//! is a sorted set of the record ids that saved one, by when the
+//! [recovery worker](crate::RecoveryWorker) should look at them next: one key for the whole
+//! store (on a cluster, one slot apart from the records), so it is a hint, and the worker
+//! reads each record before it acts. A completed record's entry goes at once; a released
+//! record's entry stays until a worker's sweep reads the record (about 60 bytes each), so run
+//! a worker wherever handlers save points.
 //!
 //! [`with_wait`]: RedisStoreBuilder::with_wait
 //! [`ConnectionManager`]: redis::aio::ConnectionManager
