@@ -14,6 +14,8 @@ mod memory_store;
 mod postgres_layer;
 #[cfg(all(feature = "conformance", feature = "postgres"))]
 mod postgres_store;
+#[cfg(feature = "postgres")]
+mod postgres_transaction;
 #[cfg(all(feature = "conformance", feature = "redis"))]
 mod redis_cluster;
 #[cfg(feature = "redis")]

@@ -171,14 +171,21 @@
 //! # Transactional completion
 //!
 //! A handler that writes to the same database can record its answer in its own transaction
-//! with [`complete_in`](PostgresStore::complete_in): the business writes and the recorded
-//! answer then commit together or not at all. If the transaction rolls back, the record stays
-//! in progress, and once its lease lapses a retry takes it over and runs the work again.
-//! The layer puts an [`IdempotencyContext`](crate::IdempotencyContext) (record id and token)
-//! into the request's extensions; a response carrying
+//! with [`record_in`](PostgresStore::record_in) (or [`complete_in`](PostgresStore::complete_in)
+//! for a [`Completion`] of your own): the business writes and the recorded answer then commit
+//! together or not at all. If the transaction rolls back, the record stays in progress, and
+//! once its lease lapses a retry takes it over and runs the work again. The layer puts an
+//! [`IdempotencyContext`](crate::IdempotencyContext) (record id and token) into the request's
+//! extensions; a response carrying
 //! [`RecordDecision::AlreadyRecorded`](crate::RecordDecision::AlreadyRecorded) tells the layer
 //! not to complete or release after the handler did. The recorded [`Completion`] is what
-//! retries get, so it should match the response the handler returns.
+//! retries get, so `record_in` takes the response the handler returns, with any
+//! [`BufferedBody`] (`Bytes`, `String`, `Vec<u8>`, `Full<Bytes>`).
+//!
+//! The `*_in` methods run their one statement through any [`Executor`]: tokio-postgres's
+//! `&Client` or `&Transaction`, deadpool's `&Client` or `&Transaction`, and with the `sqlx`
+//! feature sqlx's `&mut Transaction<'_, Postgres>` or `&mut PgConnection`. They are fenced
+//! like the store's own calls and never retried: on an error, roll back.
 //!
 //! Under `REPEATABLE READ` or `SERIALIZABLE`, the layer's lease renewal updates the record
 //! while your transaction runs, and `complete_in` would then fail with a serialization failure
@@ -218,6 +225,45 @@
 //!     store.record_in(&tx, ctx, &res).await?;
 //!     tx.commit().await?;
 //!
+//!     res.extensions_mut().insert(RecordDecision::AlreadyRecorded);
+//!     Ok(res)
+//! }
+//! ```
+//!
+//! ## Atomic phases
+//!
+//! A [resumable handler](crate::resumable) saves a recovery point after each step; between a
+//! step's write and its save, a crash leaves the write without the point, and the takeover
+//! runs the step again. When the step's write is in this database, close that window: make
+//! each phase one transaction, its business write then
+//! [`save_recovery_point_in`](PostgresStore::save_recovery_point_in), and the last phase its
+//! write then `record_in`. Every phase commits whole or not at all, so a takeover resumes
+//! exactly after the last committed one. A stale attempt's save is
+//! [`StoreErrorKind::Fenced`]: it rolls back, so its write never lands either. Under `READ
+//! COMMITTED` no `lock_in` is needed.
+//!
+//! ```no_run
+//! # use tower_idempotency::store::postgres::deadpool_postgres::Pool;
+//! # use tower_idempotency::store::postgres::PostgresStore;
+//! # use tower_idempotency::{IdempotencyContext, RecordDecision};
+//! # type BoxError = Box<dyn std::error::Error + Send + Sync>;
+//! async fn transfer(
+//!     store: &PostgresStore,
+//!     business: &Pool,
+//!     ctx: &IdempotencyContext,
+//! ) -> Result<http::Response<String>, BoxError> {
+//!     let mut conn = business.get().await?;
+//!     if ctx.recovery_point().is_none() {
+//!         let tx = conn.transaction().await?;
+//!         tx.execute("UPDATE accounts SET held = held + 100 WHERE id = 1", &[]).await?;
+//!         store.save_recovery_point_in(&tx, ctx, "held", "acct-1").await?;
+//!         tx.commit().await?;
+//!     }
+//!     let tx = conn.transaction().await?;
+//!     tx.execute("UPDATE accounts SET held = held - 100 WHERE id = 1", &[]).await?;
+//!     let mut res = http::Response::new(String::from(r#"{"transfer":"done"}"#));
+//!     store.record_in(&tx, ctx, &res).await?;
+//!     tx.commit().await?;
 //!     res.extensions_mut().insert(RecordDecision::AlreadyRecorded);
 //!     Ok(res)
 //! }
@@ -278,6 +324,8 @@
 //! [`connect_with_tls`](PostgresStoreBuilder::connect_with_tls) verifies the server against your CA;
 //! see them. With your own pool, pass it to [`PostgresStore::new`].
 
+mod body;
+mod executor;
 mod migrate;
 mod ops;
 mod retry;
@@ -300,6 +348,8 @@ pub use deadpool_postgres;
 pub use rustls;
 pub use tokio_postgres;
 
+pub use body::BufferedBody;
+pub use executor::Executor;
 pub use migrate::SetupError;
 pub use sweep::SweeperHandle;
 

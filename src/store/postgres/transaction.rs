@@ -1,42 +1,66 @@
-//! Completing inside your own transaction: [`record_in`](PostgresStore::record_in),
-//! [`complete_in`](PostgresStore::complete_in) and [`lock_in`](PostgresStore::lock_in).
+//! Writing inside your own transaction: [`record_in`](PostgresStore::record_in),
+//! [`complete_in`](PostgresStore::complete_in), [`lock_in`](PostgresStore::lock_in) and
+//! [`save_recovery_point_in`](PostgresStore::save_recovery_point_in), through any
+//! [`Executor`].
 
 use std::time::Duration;
 
-use deadpool_postgres::GenericClient;
-use tokio_postgres::types::ToSql;
+use bytes::Bytes;
+use tokio_postgres::types::{ToSql, Type};
 
-use super::retry::refused;
-use super::rows::{column, token_params, CompleteParams};
+use super::body::BufferedBody;
+use super::executor::Executor;
+use super::rows::{token_params, CompleteParams};
 use super::PostgresStore;
 use crate::record::{Completion, RecordId, Token};
 use crate::store::{StoreError, StoreErrorKind};
+use crate::IdempotencyContext;
+
+// The Postgres types of each statement's parameters, as its `$n::type` casts name them
+// (sqlx sends them with the values; the test below holds them to the `.sql` files).
+
+/// lock.sql: $1 id, $2 generation, $3 nonce.
+const LOCK_TYPES: [Type; 3] = [Type::BYTEA, Type::INT8, Type::BYTEA];
+/// save_point.sql: $1 id, $2 generation, $3 nonce, $4 the point.
+const SAVE_POINT_TYPES: [Type; 4] = [Type::BYTEA, Type::INT8, Type::BYTEA, Type::BYTEA];
+/// complete.sql: $1 id, $2 generation, $3 nonce, $4 state, $5 status, $6 headers, $7 body,
+/// $8 trailers, $9 ttl µs (`CompleteParams::params`).
+const COMPLETE_TYPES: [Type; 9] = [
+    Type::BYTEA,
+    Type::INT8,
+    Type::BYTEA,
+    Type::INT2,
+    Type::INT2,
+    Type::BYTEA,
+    Type::BYTEA,
+    Type::BYTEA,
+    Type::INT8,
+];
 
 impl PostgresStore {
     /// Takes the row lock of `token`'s record in your transaction, for
-    /// [`complete_in`](Self::complete_in) under `REPEATABLE READ` or `SERIALIZABLE`: call it
-    /// as the transaction's first statement. Until you commit or roll back, lease renewals and
-    /// takeovers of the record wait (a renewal that waits past its deadline fails, and the
-    /// next one is tried); keep the transaction shorter than the lease.
+    /// [`complete_in`](Self::complete_in) and
+    /// [`save_recovery_point_in`](Self::save_recovery_point_in) under `REPEATABLE READ` or
+    /// `SERIALIZABLE`: call it as the transaction's first statement. Until you commit or roll
+    /// back, lease renewals and takeovers of the record wait (a renewal that waits past its
+    /// deadline fails, and the next one is tried); keep the transaction shorter than the
+    /// lease.
     ///
     /// Fenced like [`complete`](crate::store::IdempotencyStore::complete): a stale token is
-    /// [`StoreErrorKind::Fenced`]. Not needed under `READ COMMITTED`.
+    /// [`StoreErrorKind::Fenced`]. Not needed under `READ COMMITTED` (Postgres's default):
+    /// there each statement sees the latest renewal, and the write itself takes the lock.
     pub async fn lock_in<C>(
         &self,
-        client: &C,
+        client: C,
         id: &RecordId,
         token: &Token,
     ) -> Result<(), StoreError>
     where
-        C: GenericClient,
+        C: Executor,
     {
         let (generation, nonce) = token_params(token);
         let params: [&(dyn ToSql + Sync); 3] = [&id.as_bytes().as_slice(), &generation, &nonce];
-        let statement = client
-            .prepare_cached(&self.sql.lock)
-            .await
-            .map_err(refused)?;
-        let rows = client.query(&statement, &params).await.map_err(refused)?;
+        let rows = client.query(&self.sql.lock, &params, &LOCK_TYPES).await?;
         if rows.is_empty() {
             Err(StoreError::new(StoreErrorKind::Fenced))
         } else {
@@ -47,20 +71,24 @@ impl PostgresStore {
     /// Records `response` as the answer of the request `ctx` belongs to, through `client`,
     /// typically inside your own transaction: [`complete_in`](Self::complete_in) with the
     /// context's record id, token and TTL, and the headers the layer would keep
-    /// ([`IdempotencyContext::completion`](crate::IdempotencyContext::completion)).
+    /// ([`IdempotencyContext::completion`]).
     ///
+    /// Takes the response the handler returns, with any [`BufferedBody`] (`Bytes`, `String`,
+    /// `Vec<u8>`, `Full<Bytes>`, …), so retries replay exactly what this attempt answered.
     /// Call it last before `COMMIT`, return `response` from the handler, and mark it with
-    /// [`RecordDecision::AlreadyRecorded`](crate::RecordDecision::AlreadyRecorded).
-    pub async fn record_in<C>(
+    /// [`RecordDecision::AlreadyRecorded`](crate::RecordDecision::AlreadyRecorded), or the
+    /// layer completes the record a second time (and is fenced).
+    pub async fn record_in<C, B>(
         &self,
-        client: &C,
-        ctx: &crate::IdempotencyContext,
-        response: &http::Response<bytes::Bytes>,
+        client: C,
+        ctx: &IdempotencyContext,
+        response: &http::Response<B>,
     ) -> Result<(), StoreError>
     where
-        C: GenericClient,
+        C: Executor,
+        B: BufferedBody,
     {
-        let completion = ctx.completion(response);
+        let completion = B::with_bytes(response, |response| ctx.completion(response));
         self.complete_in(
             client,
             &ctx.record_id(),
@@ -87,29 +115,124 @@ impl PostgresStore {
     /// with a serialization failure.
     pub async fn complete_in<C>(
         &self,
-        client: &C,
+        client: C,
         id: &RecordId,
         token: &Token,
         completion: &Completion,
         ttl: Duration,
     ) -> Result<(), StoreError>
     where
-        C: GenericClient,
+        C: Executor,
     {
         let owned = CompleteParams::new(id, token, completion, ttl);
         let params = owned.params();
-        let statement = client
-            .prepare_cached(&self.sql.complete)
-            .await
-            .map_err(refused)?;
-        let row = client
-            .query_one(&statement, &params)
-            .await
-            .map_err(refused)?;
-        if column::<bool>(&row, "applied")? || column::<bool>(&row, "done")? {
+        let rows = client
+            .query(&self.sql.complete, &params, &COMPLETE_TYPES)
+            .await?;
+        if rows.first_bool("applied")? || rows.first_bool("done")? {
             Ok(())
         } else {
             Err(StoreError::new(StoreErrorKind::Fenced))
         }
+    }
+
+    /// Saves where the request `ctx` belongs to got to, through `client`: the same fenced
+    /// statement as [`IdempotencyContext::save_recovery_point`], inside your transaction, so
+    /// a step's business write and its recovery point commit together or not at all. A
+    /// takeover then never finds a point without the write it stands for, nor a write past
+    /// the point it resumes from.
+    ///
+    /// Each phase of a resumable handler is one transaction: its business write, then
+    /// `save_recovery_point_in`, then `COMMIT`. The last phase writes and calls
+    /// [`record_in`](Self::record_in) instead, which drops the point. Under `READ COMMITTED`
+    /// nothing else is needed; under `REPEATABLE READ` or `SERIALIZABLE`, start each phase
+    /// with [`lock_in`](Self::lock_in).
+    ///
+    /// A point over a cap ([`RecoveryPoint::MAX_STEP`](crate::RecoveryPoint::MAX_STEP),
+    /// [`MAX_DATA`](crate::RecoveryPoint::MAX_DATA)) is [`StoreErrorKind::TooLarge`], naming
+    /// the cap, and nothing is sent. A stale token (another attempt took over) is
+    /// [`StoreErrorKind::Fenced`] and writes nothing: roll back, and stop. Like
+    /// [`complete_in`](Self::complete_in), it row-locks the record until you commit (lease
+    /// renewals wait: save last, just before `COMMIT`), and is not retried: on any other
+    /// error, roll back and retry the whole phase.
+    pub async fn save_recovery_point_in<C>(
+        &self,
+        client: C,
+        ctx: &IdempotencyContext,
+        step: &str,
+        data: impl Into<Bytes>,
+    ) -> Result<(), StoreError>
+    where
+        C: Executor,
+    {
+        let encoded = ctx.recovery_point_for(step, data.into())?.encode();
+        let (id, token) = (ctx.record_id(), ctx.token());
+        let (generation, nonce) = token_params(&token);
+        let params: [&(dyn ToSql + Sync); 4] = [
+            &id.as_bytes().as_slice(),
+            &generation,
+            &nonce,
+            &encoded.as_slice(),
+        ];
+        let rows = client
+            .query(&self.sql.save_point, &params, &SAVE_POINT_TYPES)
+            .await?;
+        if rows.is_empty() {
+            Err(StoreError::new(StoreErrorKind::Fenced))
+        } else {
+            Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::postgres::sql::{Sql, Table};
+
+    /// The `$n::type` casts of `sql`, in parameter order.
+    fn casts(sql: &str) -> Vec<String> {
+        let mut found: Vec<(usize, String)> = Vec::new();
+        for (at, _) in sql.match_indices('$') {
+            let rest = &sql[at + 1..];
+            let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+            let Some(cast) = rest[digits.len()..].strip_prefix("::") else {
+                continue;
+            };
+            let ty: String = cast
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric())
+                .collect();
+            let n: usize = digits.parse().unwrap();
+            match found.iter().find(|(m, _)| *m == n) {
+                Some((_, seen)) => assert_eq!(seen, &ty, "${n} is cast two ways"),
+                None => found.push((n, ty)),
+            }
+        }
+        found.sort();
+        for (i, (n, _)) in found.iter().enumerate() {
+            assert_eq!(*n, i + 1, "every parameter is cast");
+        }
+        found.into_iter().map(|(_, ty)| ty).collect()
+    }
+
+    fn names(types: &[Type]) -> Vec<String> {
+        types
+            .iter()
+            .map(|t| match *t {
+                Type::BYTEA => "bytea".to_owned(),
+                Type::INT8 => "bigint".to_owned(),
+                Type::INT2 => "smallint".to_owned(),
+                ref other => other.name().to_owned(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_parameter_types_are_those_the_statements_cast_to() {
+        let sql = Sql::new(&Table::parse("t").unwrap());
+        assert_eq!(casts(&sql.lock), names(&LOCK_TYPES));
+        assert_eq!(casts(&sql.save_point), names(&SAVE_POINT_TYPES));
+        assert_eq!(casts(&sql.complete), names(&COMPLETE_TYPES));
     }
 }
