@@ -173,21 +173,16 @@ fn service(layer: &IdempotencyLayer, p: &Arc<Payments>) -> Svc {
     tower::util::BoxCloneService::new(layer.clone().layer(inner))
 }
 
+/// What the recover function returns: the phases' future, boxed to name it.
+type Recovering = Pin<Box<dyn Future<Output = Result<Response<Bytes>, BoxError>> + Send>>;
+
 fn worker(
     layer: &IdempotencyLayer,
     p: &Arc<Payments>,
-) -> RecoveryWorker<
-    impl Fn(
-            IdempotencyContext,
-        ) -> Pin<Box<dyn Future<Output = Result<Response<Bytes>, BoxError>> + Send>>
-        + Send
-        + Sync
-        + 'static,
-> {
+) -> RecoveryWorker<impl Fn(IdempotencyContext) -> Recovering + Send + Sync + 'static> {
     let p = p.clone();
-    RecoveryWorker::new(layer, move |ctx| {
+    RecoveryWorker::new(layer, move |ctx| -> Recovering {
         Box::pin(phases(p.clone(), ctx))
-            as Pin<Box<dyn Future<Output = Result<Response<Bytes>, BoxError>> + Send>>
     })
 }
 
@@ -214,6 +209,7 @@ async fn start_stalled(svc: &Svc, p: &Payments, key: &str, stall: Stall) -> Pend
 }
 
 /// Starts a request that dies with its process once it reached `stall`.
+#[expect(clippy::mem_forget, reason = "a crash: no destructor may run")]
 async fn die_at(svc: &Svc, p: &Payments, key: &str, stall: Stall) {
     std::mem::forget(start_stalled(svc, p, key, stall).await);
 }
@@ -539,7 +535,7 @@ mod redis {
     async fn store() -> Option<Arc<dyn IdempotencyStore>> {
         let url = common::backend_url("IDEMPOTENCY_TEST_REDIS_URL")?;
         let store = RedisStore::builder()
-            .with_key_prefix(&format!("{}:", unique("recovery")))
+            .with_key_prefix(format!("{}:", unique("recovery")))
             .connect(&url)
             .await
             .unwrap();
