@@ -1,5 +1,6 @@
 //! The shop's operator routes: `GET /metrics` (feature `metrics`) and the idempotency admin
-//! API behind its own bearer token.
+//! API behind its own bearer token. A record in progress that saved a recovery point shows it
+//! (`recovery_point`: step, generation of the attempt that saved it, data).
 
 use std::sync::Arc;
 
@@ -104,14 +105,24 @@ fn view(info: &RecordInfo) -> serde_json::Value {
         RecordStatus::Completed => "completed",
         RecordStatus::Tombstone => "tombstone",
     };
-    json!({
+    let mut body = json!({
         "state": state,
         "generation": info.generation,
         "lease_remaining_ms": info.lease_remaining.map(|d| d.as_millis() as u64),
         "expires_in_secs": info.expires_in.as_secs(),
         "answer_status": info.answer_status.map(|s| s.as_u16()),
         "answer_size": info.answer_size,
-    })
+    });
+    // In progress with a recovery point: where its attempts got to. The data is the shop's
+    // own (the payment's ids, see payments.rs), shown only to the operator.
+    if let Some(point) = &info.recovery_point {
+        body["recovery_point"] = json!({
+            "step": point.step(),
+            "generation": point.generation(),
+            "data": std::str::from_utf8(point.data()).ok(),
+        });
+    }
+    body
 }
 
 async fn inspect(

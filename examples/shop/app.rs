@@ -1,12 +1,17 @@
 //! The shop's router, shared by `main.rs` and the tests.
 
+#[path = "card.rs"]
+pub(crate) mod card;
+#[path = "payments.rs"]
+pub(crate) mod payments;
+
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
@@ -14,6 +19,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tower_idempotency::store::IdempotencyStore;
 use tower_idempotency::{IdempotencyContext, IdempotencyLayer, Timing};
+
+pub(crate) use payments::ShopOptions;
 
 /// The shop's settings.
 #[derive(Debug, Clone)]
@@ -24,34 +31,72 @@ pub(crate) struct ShopConfig {
     pub(crate) timing: Timing,
 }
 
-/// The fake card network and the id counters.
+/// The fake card network, the id counters and the test hooks.
 #[derive(Debug)]
 pub(crate) struct Shop {
-    charges: AtomicU64,
+    /// The card network this process simulates (and serves at `/card-network/charges`).
+    ledger: Arc<card::Ledger>,
+    /// The network charged instead of `ledger` (`CARD_NETWORK_URL`).
+    remote: Option<card::Remote>,
     payments: AtomicU64,
     orders: AtomicU64,
     card_latency: Duration,
+    options: ShopOptions,
+    stats: Mutex<payments::Stats>,
 }
 
 impl Shop {
     fn new(card_latency: Duration) -> Self {
+        Self::with_options(card_latency, ShopOptions::default())
+    }
+
+    fn with_options(card_latency: Duration, options: ShopOptions) -> Self {
         Self {
-            charges: AtomicU64::new(0),
+            ledger: Arc::default(),
+            remote: options.card_network.as_deref().map(card::Remote::new),
             payments: AtomicU64::new(0),
             orders: AtomicU64::new(0),
             card_latency,
+            options,
+            stats: Mutex::default(),
         }
     }
 
-    /// Charges made since start.
+    /// Charges made since start by the card network this process simulates (each
+    /// card-network key once).
     pub(crate) fn charges(&self) -> u64 {
-        self.charges.load(Ordering::SeqCst)
+        self.ledger.count()
+    }
+
+    /// Charges the card, at the remote network if one is set, else at this process's.
+    async fn charge(&self, req: &card::ChargeRequest) -> card::Charged {
+        match &self.remote {
+            Some(remote) => remote.charge(req, self.card_latency).await,
+            None => self.ledger.charge(req, self.card_latency).await,
+        }
+    }
+
+    fn stats(&self) -> std::sync::MutexGuard<'_, payments::Stats> {
+        self.stats.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
 /// The shop's API behind the idempotency layer. Returns the router and the shop state.
+// The tests' entry point; main.rs uses `app_with`.
+#[allow(dead_code)]
 pub(crate) fn app(store: Arc<dyn IdempotencyStore>, config: ShopConfig) -> (Router, Arc<Shop>) {
-    let shop = Arc::new(Shop::new(config.card_latency));
+    let (router, shop, _) = app_with(store, config, ShopOptions::default());
+    (router, shop)
+}
+
+/// [`app`] with the test and demo hooks of `options`; also returns the layer, for the
+/// recovery worker ([`payments::spawn_recovery`]).
+pub(crate) fn app_with(
+    store: Arc<dyn IdempotencyStore>,
+    config: ShopConfig,
+    options: ShopOptions,
+) -> (Router, Arc<Shop>, IdempotencyLayer) {
+    let shop = Arc::new(Shop::with_options(config.card_latency, options));
     let idempotency = IdempotencyLayer::from_arc(store)
         .with_timing(config.timing)
         // One key space per caller, as authenticated outside this layer.
@@ -70,11 +115,13 @@ pub(crate) fn app(store: Arc<dyn IdempotencyStore>, config: ShopConfig) -> (Rout
             );
         });
     let router = routes()
-        .layer(idempotency)
+        .layer(idempotency.clone())
         // Added last, so it runs first: the scope function reads what it sets.
         .layer(axum::middleware::from_fn(authenticate))
-        .with_state(shop.clone());
-    (router, shop)
+        .with_state(shop.clone())
+        // The simulated card network, outside the layer: it dedupes by its own key.
+        .merge(card::router(shop.ledger.clone()));
+    (router, shop, idempotency)
 }
 
 /// The same API with no idempotency layer: the load script's baseline (`bench/load.sh`),
@@ -103,6 +150,7 @@ fn routes() -> Router<Arc<Shop>> {
         .route("/v1/payments", post(create_payment))
         .route("/v1/orders", post(create_order))
         .route("/v1/charges", get(count_charges))
+        .route("/v1/debug/stats", get(stats))
 }
 
 /// Who is calling: set by [`authenticate`], read by the idempotency scope.
@@ -147,13 +195,17 @@ fn unauthorized() -> Response {
 }
 
 fn bad_request(detail: &str) -> Response {
+    problem(StatusCode::BAD_REQUEST, detail)
+}
+
+fn problem(status: StatusCode, detail: &str) -> Response {
     let body = json!({
         "type": "about:blank",
-        "title": "Bad Request",
-        "status": 400,
+        "title": status.canonical_reason().unwrap_or(""),
+        "status": status.as_u16(),
         "detail": detail,
     });
-    let mut res = (StatusCode::BAD_REQUEST, body.to_string()).into_response();
+    let mut res = (status, body.to_string()).into_response();
     res.headers_mut().insert(
         header::CONTENT_TYPE,
         "application/problem+json".parse().unwrap(),
@@ -173,6 +225,7 @@ async fn create_payment(
     // runs (no crate feature needed); absent only in the load script's bare baseline,
     // which has no layer.
     ctx: Option<Extension<IdempotencyContext>>,
+    headers: HeaderMap,
     body: Bytes,
 ) -> Response {
     let Ok(p) = serde_json::from_slice::<NewPayment>(&body) else {
@@ -184,38 +237,51 @@ async fn create_payment(
     if p.currency.len() != 3 || !p.currency.bytes().all(|b| b.is_ascii_alphabetic()) {
         return bad_request("currency must be 3 letters");
     }
-    // The card network, called with a key of its own that is the same on every retry and
-    // takeover of this payment, so a second attempt cannot charge twice downstream either.
-    if let Some(Extension(ctx)) = ctx {
-        let card_key = ctx.derive("card-network");
-        tracing::debug!(card_key = &card_key[..16], "charging the card");
+    let stall = match headers.get(payments::STALL_HEADER) {
+        None => shop.options.stall_after.clone(),
+        Some(v) => match v.to_str().ok().filter(|s| payments::check_phase(s).is_ok()) {
+            Some(s) => Some(s.to_owned()),
+            None => return bad_request("Shop-Stall-After must be created or charged"),
+        },
+    };
+    let ctx = ctx.map(|Extension(ctx)| ctx);
+    // A takeover resumes from the point the attempt before it saved last, with its payment:
+    // the request's body is the same (the layer checked its fingerprint).
+    let start = match ctx.as_ref().and_then(|c| c.recovery_point()) {
+        None => payments::Start::New {
+            amount: p.amount,
+            currency: p.currency,
+        },
+        Some(point) => match payments::Start::from_point(point) {
+            Ok(start) => start,
+            Err(e) => {
+                tracing::error!(error = %e, "a payment's recovery point is unreadable; it starts over");
+                return problem(StatusCode::INTERNAL_SERVER_ERROR, &e);
+            }
+        },
+    };
+    let ended = payments::run(&shop, ctx.as_ref(), start, stall.as_deref()).await;
+    if let payments::Ended::Paid {
+        resumed_from: Some(step),
+        ..
+    } = &ended
+    {
+        *shop.stats().resumed.entry(step.clone()).or_default() += 1;
     }
-    if !shop.card_latency.is_zero() {
-        tokio::time::sleep(shop.card_latency).await;
+    let (status, body) = ended.answer();
+    let mut res = (status, Json(body)).into_response();
+    if matches!(
+        ended,
+        payments::Ended::Fenced | payments::Ended::StoreFailed(_)
+    ) {
+        let h = res.headers_mut();
+        h.insert(
+            header::CONTENT_TYPE,
+            "application/problem+json".parse().unwrap(),
+        );
+        h.insert(header::RETRY_AFTER, "1".parse().unwrap());
     }
-    match p.amount {
-        402 => (
-            StatusCode::PAYMENT_REQUIRED,
-            Json(json!({"error": "card_declined"})),
-        )
-            .into_response(),
-        503 => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(json!({"error": "card_network_unavailable"})),
-        )
-            .into_response(),
-        amount => {
-            shop.charges.fetch_add(1, Ordering::SeqCst);
-            let n = shop.payments.fetch_add(1, Ordering::SeqCst) + 1;
-            let payment = json!({
-                "id": format!("pay_{n}"),
-                "amount": amount,
-                "currency": p.currency,
-                "status": "succeeded",
-            });
-            (StatusCode::CREATED, Json(payment)).into_response()
-        }
-    }
+    res
 }
 
 #[derive(Deserialize)]
@@ -248,4 +314,14 @@ async fn create_order(State(shop): State<Arc<Shop>>, body: Bytes) -> Response {
 
 async fn count_charges(State(shop): State<Arc<Shop>>) -> Json<Value> {
     Json(json!({"count": shop.charges()}))
+}
+
+/// `GET /v1/debug/stats`: what this process did (read-only, for the tests and the demo):
+/// payments created, charges its card network made, requests stalled by the hook, takeovers
+/// that resumed (by step) and each run of the recover function.
+async fn stats(State(shop): State<Arc<Shop>>) -> Json<Value> {
+    let mut body = serde_json::to_value(&*shop.stats()).expect("the stats serialise");
+    body["payments_created"] = shop.payments.load(Ordering::SeqCst).into();
+    body["charges"] = shop.charges().into();
+    Json(body)
 }

@@ -11,6 +11,8 @@ mod support;
 mod faults;
 #[cfg(all(feature = "redis", feature = "postgres"))]
 mod processes;
+#[cfg(all(feature = "redis", feature = "postgres"))]
+mod recovery;
 #[cfg(any(feature = "redis", feature = "postgres"))]
 mod store_faults;
 mod storms;

@@ -1,7 +1,9 @@
 //! Several shop processes (the `shop` example's binary) on one Redis or Postgres: duplicate
 //! storms spread over two replicas, a SIGKILLed holder, and a SIGSTOPped holder that outlives
 //! its lease. `cargo test --all-features` builds the binary; alone, run
-//! `cargo build --example shop --all-features` first.
+//! `cargo build --example shop --all-features` first. The shops' recovery workers are off
+//! here (the harness's default): these tests are about the takeover by a client's retry;
+//! `recovery` has the worker's.
 use crate::support::backend as common;
 use crate::support::load::run_id;
 use crate::support::rng;
@@ -162,6 +164,10 @@ async fn crash(store: &str, label: &str) {
     );
     let v: serde_json::Value = serde_json::from_slice(&takeover.2).unwrap();
     assert_eq!(v["status"], "succeeded");
+    // The holder saved its `created` point before the charge it died in: the takeover
+    // resumed from it, with the dead attempt's payment (the restarted shop created none).
+    assert_eq!(v["resumed_from"], "created", "{v}");
+    assert_eq!(v["id"], "pay_1", "{v}");
     // The last renewal came at most lease/3 before the kill, so the lease ran at least
     // 2/3 of a lease past it: no takeover before then.
     assert!(
@@ -215,8 +221,16 @@ async fn pause(store: &str, label: &str) {
         (StatusCode::CREATED, false),
         "{takeover:?}"
     );
+    // A had saved its `created` point (pay_4) before it was stopped: B resumed from it.
+    let resumed: serde_json::Value = serde_json::from_slice(&takeover.2).unwrap();
+    assert_eq!(
+        (&resumed["id"], &resumed["resumed_from"]),
+        (&"pay_4".into(), &"created".into()),
+        "{resumed}"
+    );
     a.signal("CONT");
-    // A finishes its charge and answers its own client; its record is fenced.
+    // A finishes its charge; its `charged` point and its record are fenced. It still answers
+    // its own client with the payment: the one B resumed, charged under the same key.
     let mut late = Vec::new();
     for t in in_flight {
         let a = t.await.unwrap().unwrap();
@@ -225,6 +239,8 @@ async fn pause(store: &str, label: &str) {
                 a.2, takeover.2,
                 "the paused holder's answer should be its own"
             );
+            let v: serde_json::Value = serde_json::from_slice(&a.2).unwrap();
+            assert_eq!(v["id"], "pay_4", "{v}");
             late.push(a.0);
         }
     }

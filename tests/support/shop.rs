@@ -1,6 +1,11 @@
 //! Shop processes (the `shop` example's binary) on free ports, and an HTTP client for them:
-//! payments and the charge count. `cargo test --all-features` builds the binary; alone, run
+//! payments, the charge count, the shop's debug stats, its card network's ledger and its admin
+//! routes. `cargo test --all-features` builds the binary; alone, run
 //! `cargo build --example shop --all-features` first.
+//!
+//! The shop's recovery worker is off in the shops started here unless the test's `env` turns
+//! it on (`IDEMPOTENCY_RECOVERY_INTERVAL_MS`): a worker sweeps the whole store, and would
+//! finish other tests' abandoned keys before their own retries do.
 #![allow(dead_code, unreachable_pub)]
 
 use std::path::PathBuf;
@@ -23,6 +28,8 @@ pub type Answer = (StatusCode, bool, Bytes);
 pub struct Shop {
     child: Child,
     pub port: u16,
+    /// Where its output goes, when captured ([`Shop::start_logged`]).
+    log: Option<PathBuf>,
 }
 
 impl Shop {
@@ -49,6 +56,42 @@ impl Shop {
         card_latency_ms: u64,
         env: &[(&str, &str)],
     ) -> Self {
+        Self::spawn(store, lease_ms, card_latency_ms, env, None).await
+    }
+
+    /// [`start_with`](Self::start_with), its output (the log, `RUST_LOG=error` unless `env`
+    /// sets it) kept in a file that [`log`](Self::log) reads.
+    pub async fn start_logged(
+        store: &str,
+        lease_ms: u64,
+        card_latency_ms: u64,
+        env: &[(&str, &str)],
+    ) -> Self {
+        let path = std::env::temp_dir().join(format!("{}.log", run_id("shop")));
+        Self::spawn(store, lease_ms, card_latency_ms, env, Some(path)).await
+    }
+
+    /// What a [`start_logged`](Self::start_logged) shop wrote so far.
+    pub fn log(&self) -> String {
+        let path = self.log.as_ref().expect("a shop started with start_logged");
+        std::fs::read_to_string(path).unwrap_or_default()
+    }
+
+    async fn spawn(
+        store: &str,
+        lease_ms: u64,
+        card_latency_ms: u64,
+        env: &[(&str, &str)],
+        log: Option<PathBuf>,
+    ) -> Self {
+        // The shop logs to stdout (tracing-subscriber's default) and fails on stderr.
+        let (stdout, stderr) = match &log {
+            Some(path) => {
+                let file = std::fs::File::create(path).unwrap();
+                (Stdio::from(file.try_clone().unwrap()), Stdio::from(file))
+            }
+            None => (Stdio::null(), Stdio::inherit()),
+        };
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
@@ -60,11 +103,13 @@ impl Shop {
             .env("IDEMPOTENCY_LEASE_MS", lease_ms.to_string())
             .env("CARD_LATENCY_MS", card_latency_ms.to_string())
             .env("RUST_LOG", "error")
+            .env("IDEMPOTENCY_RECOVERY_INTERVAL_MS", "0")
             .envs(env.iter().copied())
-            .stdout(Stdio::null())
+            .stdout(stdout)
+            .stderr(stderr)
             .spawn()
             .unwrap();
-        let shop = Self { child, port };
+        let shop = Self { child, port, log };
         let deadline = Instant::now() + Duration::from_secs(20);
         while tokio::net::TcpStream::connect(("127.0.0.1", port))
             .await
@@ -104,6 +149,9 @@ impl Drop for Shop {
             .status();
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if let Some(path) = &self.log {
+            let _ = std::fs::remove_file(path);
+        }
     }
 }
 
@@ -119,10 +167,26 @@ pub async fn pay(
     key: &str,
     amount: u64,
 ) -> Result<Answer, String> {
-    let req = Request::post(format!("http://127.0.0.1:{port}/v1/payments"))
+    pay_with(http, port, api_key, key, amount, &[]).await
+}
+
+/// [`pay`] with more request headers (the shop's `Shop-Stall-After` hook, say).
+pub async fn pay_with(
+    http: &Http,
+    port: u16,
+    api_key: &str,
+    key: &str,
+    amount: u64,
+    headers: &[(&str, &str)],
+) -> Result<Answer, String> {
+    let mut req = Request::post(format!("http://127.0.0.1:{port}/v1/payments"))
         .header("content-type", "application/json")
         .header("x-api-key", api_key)
-        .header("idempotency-key", key)
+        .header("idempotency-key", key);
+    for (name, value) in headers {
+        req = req.header(*name, *value);
+    }
+    let req = req
         .body(Full::new(Bytes::from(format!(
             "{{\"amount\":{amount},\"currency\":\"EUR\"}}"
         ))))
@@ -132,6 +196,55 @@ pub async fn pay(
     let replayed = res.headers().get("idempotent-replayed").is_some();
     let body = res.into_body().collect().await.map_err(|e| e.to_string())?;
     Ok((status, replayed, body.to_bytes()))
+}
+
+/// `GET path` on `port` with `headers`: the status and the JSON body (`Null` if none).
+pub async fn get_json(
+    http: &Http,
+    port: u16,
+    path: &str,
+    headers: &[(&str, &str)],
+) -> (StatusCode, serde_json::Value) {
+    let mut req = Request::get(format!("http://127.0.0.1:{port}{path}"));
+    for (name, value) in headers {
+        req = req.header(*name, *value);
+    }
+    let res = http
+        .request(req.body(Full::new(Bytes::new())).unwrap())
+        .await
+        .unwrap();
+    let status = res.status();
+    let body = res.into_body().collect().await.unwrap().to_bytes();
+    let v = serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null);
+    (status, v)
+}
+
+/// The shop's `GET /v1/debug/stats`: payments created, charges, stalls, resumes, recoveries.
+pub async fn stats(http: &Http, port: u16) -> serde_json::Value {
+    get_json(http, port, "/v1/debug/stats", &[]).await.1
+}
+
+/// The ledger of the card network the shop on `port` serves (`GET /card-network/charges`).
+pub async fn ledger(http: &Http, port: u16) -> serde_json::Value {
+    get_json(http, port, "/card-network/charges", &[]).await.1
+}
+
+/// The admin view of `key` in `scope` on a shop started with `ADMIN_TOKEN=token`; `None` if
+/// it has no live record.
+pub async fn record(
+    http: &Http,
+    port: u16,
+    token: &str,
+    scope: &str,
+    key: &str,
+) -> Option<serde_json::Value> {
+    let auth = format!("Bearer {token}");
+    let path = format!("/admin/idempotency/{scope}/{key}");
+    match get_json(http, port, &path, &[("authorization", &auth)]).await {
+        (StatusCode::OK, v) => Some(v),
+        (StatusCode::NOT_FOUND, _) => None,
+        (status, v) => panic!("GET {path}: {status} {v}"),
+    }
 }
 
 pub async fn charges(http: &Http, port: u16) -> u64 {
