@@ -36,7 +36,9 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 /// the point, and records the answer it returns, so the client's next retry replays it.
 ///
 /// Spawn one per process (or a few per fleet: two workers never recover one record twice,
-/// because the takeover is the store's atomic claim). Only records that saved a point are
+/// because the takeover is the store's atomic claim). A worker recovers every record its
+/// store lists: services that share a database give each its own Redis key prefix or
+/// Postgres table. Only records that saved a point are
 /// looked at, so requests that never save one cost the worker nothing.
 ///
 /// ```
