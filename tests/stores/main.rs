@@ -16,12 +16,12 @@ mod postgres_layer;
 mod postgres_store;
 #[cfg(feature = "postgres")]
 mod postgres_transaction;
+mod recovery;
 #[cfg(all(feature = "conformance", feature = "redis"))]
 mod redis_cluster;
 #[cfg(feature = "redis")]
 mod redis_layer;
 #[cfg(all(feature = "conformance", feature = "redis"))]
 mod redis_store;
-mod recovery;
 #[cfg(all(feature = "redis-tls", feature = "postgres-tls"))]
 mod tls;
