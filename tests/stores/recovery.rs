@@ -288,7 +288,17 @@ async fn a_retry_resumes_after_the_holder_died(store: Arc<dyn IdempotencyStore>)
 
 async fn the_worker_finishes_an_abandoned_key_without_a_retry(store: Arc<dyn IdempotencyStore>) {
     let p = Arc::new(Payments::default());
-    let layer = layer(store.clone());
+    let heard = Arc::new(Mutex::new(Vec::new()));
+    let layer = layer(store.clone()).with_abandoned_hook({
+        let heard = heard.clone();
+        move |a| {
+            let scope = a.scope.as_deref().map(str::to_owned);
+            heard
+                .lock()
+                .unwrap()
+                .push((scope, a.old_generation, a.new_generation));
+        }
+    });
     let svc = service(&layer, &p);
     let worker = worker(&layer, &p);
     let key = unique("worker");
@@ -306,6 +316,11 @@ async fn the_worker_finishes_an_abandoned_key_without_a_retry(store: Arc<dyn Ide
     let report = worker.run_once().await.unwrap();
     assert_eq!(report.recovered, 1, "{report:?}");
     assert_eq!((report.failed, report.left), (0, 0), "{report:?}");
+    // The worker's takeover is reported as a retry's would be, with the request's scope.
+    assert_eq!(
+        *heard.lock().unwrap(),
+        vec![(Some("acme".to_owned()), 1, 2)]
+    );
     // Quiet once done.
     let report = worker.run_once().await.unwrap();
     assert_eq!(
