@@ -103,10 +103,12 @@ impl PostgresStore {
     ///
     /// The schema must exist.
     ///
-    /// The claim function is `<table>_claim_v2`; replicas of an earlier version of this crate
-    /// call `<table>_claim`, which is left alone, so a rolling upgrade keeps both working. Drop
-    /// `<table>_claim` once none runs. (Such a replica ignores the recovery points: it
-    /// neither clears one when it completes, releases or replaces a record, nor hands one on.)
+    /// The claim function is `<table>_claim_v3`. Replicas of the previous version call
+    /// `<table>_claim_v2`, which `migrate` keeps as a wrapper over `<table>_claim_v3` (the
+    /// same claim); replicas of the version before call `<table>_claim`, which is left alone.
+    /// So a rolling upgrade keeps them all working. Drop `<table>_claim` once none runs.
+    /// (Such a replica ignores the recovery points: it neither clears one when it completes,
+    /// releases or replaces a record, nor hands one on.)
     ///
     /// The server's notices (`relation … already exists, skipping`) are off for its
     /// transaction, so a start against an up-to-date table logs nothing; warnings still come.

@@ -29,10 +29,11 @@
 //! [`with_table`](PostgresStoreBuilder::with_table) names another), an index on `expires_at` for
 //! the sweeper, a partial index on `(scope, expires_at)` for per-scope quotas, a partial index
 //! `<table>_recovery_idx` on `expires_at` of the records in progress that hold a recovery
-//! point, and the PL/pgSQL function `<table>_claim_v2` that every claim which writes goes
-//! through. The statements are the `.sql` files of `src/store/postgres/sql/`, one per
-//! operation; when the schema is managed elsewhere, apply `migrate.sql` and
-//! `claim_function.sql` (with the table's name) there. The table:
+//! point, and the PL/pgSQL function `<table>_claim_v3` that every claim which writes goes
+//! through (and `<table>_claim_v2`, a wrapper over it for processes on the version before).
+//! The statements are the `.sql` files of `src/store/postgres/sql/`, one per operation; when
+//! the schema is managed elsewhere, apply `migrate.sql`, `claim_function.sql` and
+//! `claim_function_v2.sql` (with the table's name) there. The table:
 //!
 //! ```sql
 //! CREATE TABLE idempotency_records (
@@ -80,8 +81,9 @@
 //! - **The claim is one statement and one round trip**, and it reads before it writes
 //!   (claim.sql). It first reads the row by its primary key. A completed record or a live
 //!   lease (a replay, a conflict, a mismatch) is the answer, and the writing half, the
-//!   PL/pgSQL function `<table>_claim_v2` (claim_function.sql), is skipped by a one-time
-//!   filter: a replay is one index lookup and writes nothing. Otherwise the function claims:
+//!   PL/pgSQL function `<table>_claim_v3` (claim_function.sql), is not called (a `CASE`
+//!   calls it only when no live record was read): a replay is one index lookup and writes
+//!   nothing. Otherwise the function claims:
 //!   it inserts an absent key (`INSERT … ON CONFLICT (id) DO NOTHING`); when a row is there
 //!   it reads it again with a fresh snapshot and, in one statement, replaces an expired row
 //!   (generation 1), takes over one in progress with a lapsed lease and the same
@@ -616,7 +618,7 @@ mod tests {
         let client = store.pool().get().await.unwrap();
         client
             .batch_execute(&format!(
-                "DROP TABLE {table}; DROP FUNCTION {table}_claim_v2"
+                "DROP TABLE {table}; DROP FUNCTION {table}_claim_v2; DROP FUNCTION {table}_claim_v3"
             ))
             .await
             .unwrap();

@@ -228,10 +228,15 @@ impl PostgresStore {
         loop {
             let deadline = attempts.deadline()?;
             match self.attempt(&self.sql.claim, &params, deadline).await {
-                Ok(rows) => match decode_claim(&rows, fingerprint, &nonce)? {
-                    Some(outcome) => return Ok(outcome),
-                    None => attempts.again()?,
-                },
+                Ok(rows) => {
+                    let row = rows
+                        .first()
+                        .ok_or_else(|| corrupt(CorruptRow("claim returned no row")))?;
+                    match decode_claim(row, fingerprint, &nonce)? {
+                        Some(outcome) => return Ok(outcome),
+                        None => attempts.again()?,
+                    }
+                }
                 Err(f) => attempts.after(f).await?,
             }
         }
@@ -279,5 +284,123 @@ impl IdempotencyAdmin for PostgresStore {
 
     async fn delete(&self, id: &RecordId) -> Result<Removal, StoreError> {
         self.remove(id, true).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use bytes::Bytes;
+    use http::{HeaderMap, StatusCode};
+
+    use super::PostgresStore;
+    use crate::record::{Completion, Fingerprint, RecordId, StoredResponse};
+    use crate::store::{ClaimOutcome, ClaimRequest, IdempotencyStore};
+
+    const TTL: Duration = Duration::from_secs(60);
+    const LEASE: Duration = Duration::from_secs(30);
+
+    /// claim.sql calls the claim function only when it read no live record: a replay, a
+    /// conflict and a mismatch are answered by the statement's own primary-key read. Shown
+    /// with a function that fails whenever it runs, in the one statement each claim sends.
+    #[tokio::test]
+    async fn the_claim_function_runs_only_when_no_live_record_was_read() {
+        let Some(url) = crate::store::test_backend_url("IDEMPOTENCY_TEST_POSTGRES_URL") else {
+            return;
+        };
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+            % 1_000_000_000;
+        let table = format!("tidem_unit_fn_{}_{nanos}", std::process::id());
+        let store = PostgresStore::builder()
+            .with_table(&table)
+            .unwrap()
+            .connect(&url)
+            .await
+            .unwrap();
+        store.migrate().await.unwrap();
+        let fp = |b: u8| Fingerprint::from_bytes([b; 32]);
+        let claim = |id: &RecordId, f: Fingerprint, lease: Duration| {
+            let (store, id) = (store.clone(), *id);
+            async move { store.claim(&ClaimRequest::new(&id, &f, lease, TTL)).await }
+        };
+        let claimed = |outcome: ClaimOutcome| match outcome {
+            ClaimOutcome::Claimed(c) => c,
+            other => panic!("expected Claimed, got {other:?}"),
+        };
+
+        // A completed record, one in progress, and one whose lease is about to lapse.
+        let done = RecordId::new(None, "done");
+        let token = claimed(claim(&done, fp(1), LEASE).await.unwrap()).token;
+        let answer = Completion::Response(StoredResponse::new(
+            StatusCode::CREATED,
+            HeaderMap::new(),
+            Bytes::from_static(b"made"),
+            None,
+        ));
+        store.complete(&done, &token, &answer, TTL).await.unwrap();
+        let busy = RecordId::new(None, "busy");
+        claimed(claim(&busy, fp(2), LEASE).await.unwrap());
+        let lapsing = RecordId::new(None, "lapsing");
+        let first = claimed(
+            claim(&lapsing, fp(3), Duration::from_millis(200))
+                .await
+                .unwrap(),
+        );
+
+        let client = store.pool().get().await.unwrap();
+        client
+            .batch_execute(&format!(
+                "CREATE OR REPLACE FUNCTION {table}_claim_v3(
+                     p_id bytea, p_fingerprint bytea, p_nonce bytea, p_lease bigint,
+                     p_ttl bigint, p_scope bytea, p_max_records bigint, p_max_bytes bigint,
+                     OUT outcome smallint, OUT generation bigint, OUT nonce bytea,
+                     OUT fingerprint bytea, OUT state smallint, OUT lease_us bigint,
+                     OUT status smallint, OUT headers bytea, OUT body bytea,
+                     OUT trailers bytea, OUT lapsed_us bigint, OUT recovery_point bytea)
+                 LANGUAGE plpgsql VOLATILE AS $$
+                 BEGIN RAISE EXCEPTION 'the claim function ran'; END $$"
+            ))
+            .await
+            .unwrap();
+        drop(client);
+
+        // Replay, conflict, mismatch: answered without the function.
+        for (id, f) in [
+            (&done, fp(1)),
+            (&busy, fp(2)),
+            (&busy, fp(9)),
+            (&done, fp(9)),
+        ] {
+            let outcome = claim(id, f, LEASE).await.unwrap();
+            assert!(matches!(outcome, ClaimOutcome::Existing(_)), "{outcome:?}");
+        }
+        // A new key and a lapsed lease are the function's.
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        for (id, f) in [(&RecordId::new(None, "new"), fp(4)), (&lapsing, fp(3))] {
+            let e = claim(id, f, LEASE).await.unwrap_err();
+            let text = crate::store::error_chain(&e);
+            assert!(text.contains("the claim function ran"), "{text}");
+        }
+
+        // `migrate` puts the function back, and the lapsed lease is taken over.
+        store.migrate().await.unwrap();
+        let takeover = claimed(claim(&lapsing, fp(3), LEASE).await.unwrap());
+        assert!(takeover.takeover);
+        assert_eq!(takeover.token.generation(), first.token.generation() + 1);
+        store
+            .pool()
+            .get()
+            .await
+            .unwrap()
+            .batch_execute(&format!(
+                "DROP TABLE {table}; DROP FUNCTION {table}_claim_v2; \
+                 DROP FUNCTION {table}_claim_v3"
+            ))
+            .await
+            .unwrap();
     }
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use bytes::{Buf, Bytes};
 use http::{HeaderMap, StatusCode};
-use tokio_postgres::types::ToSql;
+use tokio_postgres::types::{FromSql, Kind, ToSql, Type};
 use tokio_postgres::Row;
 
 use crate::record::{
@@ -33,7 +33,7 @@ const HEADERS_FORMAT: u8 = 1;
 /// guard as a header; it is still read.
 const HEADERS_WITH_GUARD_FORMAT: u8 = 2;
 
-// Outcomes of the claim statement (claim.sql, claim_function.sql), in order of precedence.
+// Outcomes of the claim function (claim_function.sql); claim.sql's own answer is EXISTING.
 const INSERTED: i16 = 0;
 const UPDATED: i16 = 1;
 const EXISTING: i16 = 2;
@@ -104,42 +104,131 @@ fn decode_response_headers(bytes: Vec<u8>) -> Result<(HeaderMap, Option<VaryGuar
     }
 }
 
-pub(super) fn column<'r, T: tokio_postgres::types::FromSql<'r>>(
-    row: &'r Row,
-    name: &str,
-) -> Result<T, StoreError> {
+pub(super) fn column<'r, T: FromSql<'r>>(row: &'r Row, name: &str) -> Result<T, StoreError> {
     row.try_get(name).map_err(corrupt)
 }
 
-fn generation(row: &Row) -> Result<u64, StoreError> {
-    let g: i64 = column(row, "generation")?;
+/// Named columns: a row, or the record the claim function returns.
+pub(super) trait Columns {
+    /// The column `name`, or `Corrupt` when it is missing or of another type.
+    fn value<'r, T: FromSql<'r>>(&'r self, name: &str) -> Result<T, StoreError>;
+}
+
+impl Columns for Row {
+    fn value<'r, T: FromSql<'r>>(&'r self, name: &str) -> Result<T, StoreError> {
+        column(self, name)
+    }
+}
+
+/// The claim function's result columns (claim_function.sql), in order.
+const CLAIMED: [&str; 12] = [
+    "outcome",
+    "generation",
+    "nonce",
+    "fingerprint",
+    "state",
+    "lease_us",
+    "status",
+    "headers",
+    "body",
+    "trailers",
+    "lapsed_us",
+    "recovery_point",
+];
+
+/// The claim function's answer: one record, in Postgres's binary format for records (the
+/// number of fields, then each field's type, length or -1 for NULL, and value).
+struct Claimed<'r> {
+    fields: Vec<(Type, Option<&'r [u8]>)>,
+}
+
+impl<'r> FromSql<'r> for Claimed<'r> {
+    fn from_sql(_: &Type, mut raw: &'r [u8]) -> Result<Self, Box<dyn StdError + Sync + Send>> {
+        fn take<'r>(raw: &mut &'r [u8], n: usize) -> Result<&'r [u8], CorruptRow> {
+            if raw.len() < n {
+                return Err(CorruptRow("truncated claim record"));
+            }
+            let (head, rest) = raw.split_at(n);
+            *raw = rest;
+            Ok(head)
+        }
+        let int = |raw: &mut &'r [u8]| -> Result<i32, CorruptRow> {
+            Ok(i32::from_be_bytes(
+                take(raw, 4)?.try_into().expect("4 bytes"),
+            ))
+        };
+        let count = int(&mut raw)?;
+        if usize::try_from(count) != Ok(CLAIMED.len()) {
+            return Err(Box::new(CorruptRow("unexpected claim record fields")));
+        }
+        let mut fields = Vec::with_capacity(CLAIMED.len());
+        for _ in 0..count {
+            let oid = int(&mut raw)? as u32;
+            let ty = Type::from_oid(oid).ok_or(CorruptRow("unexpected claim record type"))?;
+            let len = int(&mut raw)?;
+            let value = match usize::try_from(len) {
+                Ok(n) => Some(take(&mut raw, n)?),
+                Err(_) => None,
+            };
+            fields.push((ty, value));
+        }
+        if !raw.is_empty() {
+            return Err(Box::new(CorruptRow(
+                "trailing bytes after the claim record",
+            )));
+        }
+        Ok(Self { fields })
+    }
+
+    fn accepts(ty: &Type) -> bool {
+        *ty == Type::RECORD || matches!(ty.kind(), Kind::Composite(_))
+    }
+}
+
+impl Columns for Claimed<'_> {
+    fn value<'r, T: FromSql<'r>>(&'r self, name: &str) -> Result<T, StoreError> {
+        let i = CLAIMED
+            .iter()
+            .position(|c| *c == name)
+            .ok_or_else(|| corrupt(CorruptRow("no such claim record field")))?;
+        let (ty, value) = &self.fields[i];
+        if !T::accepts(ty) {
+            return Err(corrupt(CorruptRow("claim record field of another type")));
+        }
+        T::from_sql_nullable(ty, *value).map_err(corrupt)
+    }
+}
+
+fn generation(row: &impl Columns) -> Result<u64, StoreError> {
+    let g: i64 = row.value("generation")?;
     u64::try_from(g).map_err(|_| corrupt(CorruptRow("negative generation")))
 }
 
 /// The `recovery_point` column of a record in progress. A completed record has none, whatever
 /// the column holds (a replica of an earlier version completes without clearing it).
-fn recovery_point(row: &Row, state: i16) -> Result<Option<RecoveryPoint>, StoreError> {
+fn recovery_point(row: &impl Columns, state: i16) -> Result<Option<RecoveryPoint>, StoreError> {
     if state != IN_PROGRESS {
         return Ok(None);
     }
-    let bytes: Option<Vec<u8>> = column(row, "recovery_point")?;
+    let bytes: Option<Vec<u8>> = row.value("recovery_point")?;
     bytes
         .map(|b| RecoveryPoint::decode(Bytes::from(b)).map_err(corrupt))
         .transpose()
 }
 
-/// Reads the record columns: generation, fingerprint, state, lease_us, status, headers,
-/// body, trailers, recovery_point.
-pub(super) fn decode_record(row: &Row) -> Result<Record, StoreError> {
-    let fp: Vec<u8> = column(row, "fingerprint")?;
+/// Reads the record columns: generation, fingerprint, state, lease_us (read for a record in
+/// progress only; a negative lease is none left), status, headers, body, trailers,
+/// recovery_point.
+pub(super) fn decode_record(row: &impl Columns) -> Result<Record, StoreError> {
+    let fp: Vec<u8> = row.value("fingerprint")?;
     let fingerprint = Fingerprint::from_bytes(
         fp.try_into()
             .map_err(|_| corrupt(CorruptRow("fingerprint is not 32 bytes")))?,
     );
-    let state: i16 = column(row, "state")?;
+    let state: i16 = row.value("state")?;
     let point = recovery_point(row, state)?;
     let status = || -> Result<StatusCode, StoreError> {
-        let s: i16 = column(row, "status")?;
+        let s: i16 = row.value("status")?;
         u16::try_from(s)
             .ok()
             .and_then(|s| StatusCode::from_u16(s).ok())
@@ -147,15 +236,15 @@ pub(super) fn decode_record(row: &Row) -> Result<Record, StoreError> {
     };
     let state = match state {
         IN_PROGRESS => {
-            let us: i64 = column(row, "lease_us")?;
+            let us: i64 = row.value("lease_us")?;
             RecordState::InProgress {
                 lease_remaining: Duration::from_micros(u64::try_from(us).unwrap_or(0)),
             }
         }
         RESPONSE => {
-            let headers: Vec<u8> = column(row, "headers")?;
-            let body: Vec<u8> = column(row, "body")?;
-            let trailers: Option<Vec<u8>> = column(row, "trailers")?;
+            let headers: Vec<u8> = row.value("headers")?;
+            let body: Vec<u8> = row.value("body")?;
+            let trailers: Option<Vec<u8>> = row.value("trailers")?;
             let (headers, vary) = decode_response_headers(headers)?;
             RecordState::Completed(Completion::Response(StoredResponse {
                 status: status()?,
@@ -171,29 +260,36 @@ pub(super) fn decode_record(row: &Row) -> Result<Record, StoreError> {
     let generation = generation(row)?;
     let record = Record::new(fingerprint, generation, state).with_recovery_point(point);
     // Statements that do not read the nonce leave the holder unknown.
-    let nonce: Option<Vec<u8>> = row.try_get("nonce").ok();
+    let nonce: Option<Vec<u8>> = row.value("nonce").ok().flatten();
     Ok(match nonce.and_then(|n| <[u8; 16]>::try_from(n).ok()) {
         Some(nonce) => record.with_holder(Token::from_parts(generation, nonce)),
         None => record,
     })
 }
 
-/// What the claim statement returned: `None` when it lost a race and must run again.
+/// What the claim statement returned (its one row): `None` when it lost a race and must run
+/// again.
 pub(super) fn decode_claim(
-    rows: &[Row],
+    row: &Row,
     fingerprint: &Fingerprint,
     nonce: &[u8; 16],
 ) -> Result<Option<ClaimOutcome>, StoreError> {
-    let mut best: Option<(i16, &Row)> = None;
-    for row in rows {
-        let outcome: i16 = column(row, "outcome")?;
-        if best.is_none_or(|(b, _)| outcome < b) {
-            best = Some((outcome, row));
-        }
-    }
-    let Some((outcome, row)) = best else {
-        return Ok(None);
+    // No answer from the function: the statement read a live record, in the row's columns.
+    let Some(claimed) = column::<Option<Claimed<'_>>>(row, "claimed")? else {
+        return decode_outcome(EXISTING, row, fingerprint, nonce).map(Some);
     };
+    match claimed.value::<Option<i16>>("outcome")? {
+        Some(outcome) => decode_outcome(outcome, &claimed, fingerprint, nonce).map(Some),
+        None => Ok(None),
+    }
+}
+
+fn decode_outcome(
+    outcome: i16,
+    row: &impl Columns,
+    fingerprint: &Fingerprint,
+    nonce: &[u8; 16],
+) -> Result<ClaimOutcome, StoreError> {
     if outcome == OVER_QUOTA {
         return Err(StoreError::new(StoreErrorKind::QuotaExceeded));
     }
@@ -202,21 +298,21 @@ pub(super) fn decode_claim(
         // A new or replaced record starts at generation 1; a takeover is always above it,
         // and is handed the record's recovery point.
         let token = Token::from_parts(generation, *nonce);
-        Ok(Some(ClaimOutcome::Claimed(if generation > 1 {
+        Ok(ClaimOutcome::Claimed(if generation > 1 {
             Claim::takeover(token, lapsed_for).with_recovery_point(point)
         } else {
             Claim::first(token)
-        })))
+        }))
     };
     match outcome {
         INSERTED | UPDATED => {
-            let lapsed_us: Option<i64> = column(row, "lapsed_us")?;
+            let lapsed_us: Option<i64> = row.value("lapsed_us")?;
             let lapsed = lapsed_us.map(|us| Duration::from_micros(u64::try_from(us).unwrap_or(0)));
             claimed(generation, lapsed, recovery_point(row, IN_PROGRESS)?)
         }
         EXISTING => {
-            let held: Vec<u8> = column(row, "nonce")?;
-            let state: i16 = column(row, "state")?;
+            let held: Vec<u8> = row.value("nonce")?;
+            let state: i16 = row.value("state")?;
             let record = decode_record(row)?;
             // Our own nonce and request: an earlier attempt whose reply was lost did commit.
             // Equal nonces alone never prove that, so the fingerprint must match too.
@@ -227,7 +323,7 @@ pub(super) fn decode_claim(
                 // Read back after a lost reply: the lapse is no longer known; the point is.
                 return claimed(generation, None, record.recovery_point);
             }
-            Ok(Some(ClaimOutcome::Existing(record)))
+            Ok(ClaimOutcome::Existing(record))
         }
         _ => Err(corrupt(CorruptRow("unknown claim outcome"))),
     }
@@ -312,6 +408,73 @@ mod tests {
         assert_eq!(micros(Duration::from_millis(1500)), 1_500_000);
         assert_eq!(micros(Duration::from_nanos(999)), 0);
         assert_eq!(micros(Duration::MAX), MAX_MICROS);
+    }
+
+    /// The claim function's record, as Postgres sends it: the field count, then each field's
+    /// type, length (-1 for NULL) and value.
+    fn record(fields: &[(Type, Option<&[u8]>)]) -> Vec<u8> {
+        let mut out = (fields.len() as i32).to_be_bytes().to_vec();
+        for (ty, value) in fields {
+            out.extend(ty.oid().to_be_bytes());
+            match value {
+                Some(v) => {
+                    out.extend((v.len() as i32).to_be_bytes());
+                    out.extend(*v);
+                }
+                None => out.extend((-1i32).to_be_bytes()),
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn the_claim_record_is_read_by_field_name_and_checked() {
+        let types = [
+            Type::INT2,
+            Type::INT8,
+            Type::BYTEA,
+            Type::BYTEA,
+            Type::INT2,
+            Type::INT8,
+            Type::INT2,
+            Type::BYTEA,
+            Type::BYTEA,
+            Type::BYTEA,
+            Type::INT8,
+            Type::BYTEA,
+        ];
+        let mut fields: Vec<(Type, Option<&[u8]>)> =
+            types.iter().map(|t| (t.clone(), None)).collect();
+        let (outcome, generation, lapsed) = (
+            1i16.to_be_bytes(),
+            4i64.to_be_bytes(),
+            2_500_000i64.to_be_bytes(),
+        );
+        fields[0].1 = Some(&outcome);
+        fields[1].1 = Some(&generation);
+        fields[10].1 = Some(&lapsed);
+        let raw = record(&fields);
+        let claimed = Claimed::from_sql(&Type::RECORD, &raw).unwrap();
+        let nonce = [3u8; 16];
+        let fp = Fingerprint::from_bytes([5; 32]);
+        match decode_outcome(UPDATED, &claimed, &fp, &nonce).unwrap() {
+            ClaimOutcome::Claimed(c) => {
+                assert_eq!(c.token, Token::from_parts(4, nonce));
+                assert!(c.takeover);
+                assert_eq!(c.lapsed_for, Some(Duration::from_millis(2500)));
+            }
+            other => panic!("{other:?}"),
+        }
+        // A field read as another type, a record cut short or of another shape: corrupt.
+        assert_eq!(
+            claimed.value::<i64>("outcome").unwrap_err().kind(),
+            StoreErrorKind::Corrupt
+        );
+        assert!(Claimed::from_sql(&Type::RECORD, &raw[..raw.len() - 1]).is_err());
+        assert!(Claimed::from_sql(&Type::RECORD, &record(&fields[..11])).is_err());
+        let mut longer = raw.clone();
+        longer.push(0);
+        assert!(Claimed::from_sql(&Type::RECORD, &longer).is_err());
     }
 
     #[test]

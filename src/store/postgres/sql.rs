@@ -22,6 +22,8 @@ pub(super) struct Table {
     recovery_index_name: String,
     /// The claim function (claim_function.sql), schema-qualified like the table.
     function: String,
+    /// The previous version's claim function, kept as a wrapper (claim_function_v2.sql).
+    previous_function: String,
     /// The migration lock (one-`bigint` advisory lock space).
     lock_key: i64,
     /// The first key of the scopes' quota locks (the two-`int` space, apart from the above).
@@ -75,6 +77,7 @@ impl Table {
             scope_index_name: format!("{table}_scope_idx"),
             recovery_index_name: format!("{table}_recovery_idx"),
             function: qualify(&format!("{table}_claim{FUNCTION_VERSION}")),
+            previous_function: qualify(&format!("{table}_claim{PREVIOUS_FUNCTION_VERSION}")),
             lock_key: i64::from_be_bytes(key),
             lock_class: i32::from_be_bytes(class),
         })
@@ -85,8 +88,12 @@ impl Table {
 /// cannot change a function's result type, and replicas of an earlier version of this crate
 /// keep calling (and their `migrate` keeps creating) the function their claim statement
 /// names: each version gets its own, so a rolling upgrade never breaks the other's claims.
-/// Version 2 added the recovery point. Version 1 was named `<table>_claim`.
-const FUNCTION_VERSION: &str = "_v2";
+/// Version 3 returns one record instead of a set, so that claim.sql can call it inside a
+/// `CASE`, only when it read no live record. Version 2 (a set, with the recovery point) is
+/// kept as a wrapper over version 3 for the replicas still calling it. Version 1 was named
+/// `<table>_claim`, and is left alone.
+const FUNCTION_VERSION: &str = "_v3";
+const PREVIOUS_FUNCTION_VERSION: &str = "_v2";
 
 /// A row is expired past `expires_at`, unless its lease is still live. `r` is the record row;
 /// the `.sql` files write `{expired}` for it.
@@ -135,6 +142,9 @@ impl Sql {
         let function = load(include_str!("sql/claim_function.sql"), table)
             .replace("{function}", &table.function)
             .replace("{lock_class}", &table.lock_class.to_string());
+        let previous = load(include_str!("sql/claim_function_v2.sql"), table)
+            .replace("{previous_function}", &table.previous_function)
+            .replace("{function}", &table.function);
         let migrate = load(include_str!("sql/migrate.sql"), table)
             .replace("{lock_key}", &table.lock_key.to_string())
             .replace("{expires_index_name}", &table.expires_index_name)
@@ -150,9 +160,9 @@ impl Sql {
                 &format!("\"{}\"", table.recovery_index_name),
             );
         Self {
-            // One simple-query message: the function is created in the migration's
+            // One simple-query message: the functions are created in the migration's
             // transaction, under its lock.
-            migrate: format!("{migrate}\n{function}"),
+            migrate: format!("{migrate}\n{function}\n{previous}"),
             verify: load(include_str!("sql/verify.sql"), table),
             claim: load(include_str!("sql/claim.sql"), table)
                 .replace("{function}", &table.function),
@@ -201,12 +211,13 @@ mod tests {
         let t = Table::parse("app.records").unwrap();
         assert_eq!(t.quoted, "\"app\".\"records\"");
         assert_eq!(t.expires_index_name, "records_expires_at_idx");
-        assert_eq!(t.function, "\"app\".\"records_claim_v2\"");
+        assert_eq!(t.function, "\"app\".\"records_claim_v3\"");
+        assert_eq!(t.previous_function, "\"app\".\"records_claim_v2\"");
         assert_eq!(t.recovery_index_name, "records_recovery_idx");
         let other = Table::parse("records").unwrap();
         assert_ne!(t.lock_key, other.lock_key);
         assert_ne!(t.lock_class, other.lock_class);
-        assert_eq!(other.function, "\"records_claim_v2\"");
+        assert_eq!(other.function, "\"records_claim_v3\"");
     }
 
     #[test]
@@ -237,9 +248,13 @@ mod tests {
             // The table, or the function made for it.
             assert!(text.contains("\"app\".\"records"), "{text}");
         }
-        // The function works on its arguments, never on a caller's parameters.
+        // The functions work on their arguments, never on a caller's parameters.
         let body = &sql.migrate[sql.migrate.find("CREATE OR REPLACE FUNCTION").unwrap()..];
         assert!(!body.contains("$1"), "{body}");
-        assert!(sql.claim.contains("\"app\".\"records_claim_v2\"($1::bytea"));
+        assert!(body.contains("CREATE OR REPLACE FUNCTION \"app\".\"records_claim_v3\"("));
+        // The previous version's, over the current one.
+        assert!(body.contains("CREATE OR REPLACE FUNCTION \"app\".\"records_claim_v2\"("));
+        assert!(body.contains("SELECT c.* FROM \"app\".\"records_claim_v3\"(p_id"));
+        assert!(sql.claim.contains("\"app\".\"records_claim_v3\"($1::bytea"));
     }
 }

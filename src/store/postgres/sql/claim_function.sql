@@ -1,10 +1,12 @@
--- The writing half of the claim (claim.sql calls it only when the key has no live record), and
--- the per-scope quota. A function, so that the claim stays one statement and one round trip:
--- claim.sql answers a replay without calling it, and a single statement could not count a
--- scope after waiting for the scope's lock (its snapshot is taken before the wait), while
--- each query in a VOLATILE function takes a fresh snapshot (under READ COMMITTED). Its name
--- ends in the version of its result columns (sql.rs): replicas of an earlier version of the
--- crate keep calling theirs during a rolling upgrade.
+-- The writing half of the claim, and the per-scope quota. claim.sql reads the row first and
+-- calls this only when it found no live record: the key is absent, expired, or in progress
+-- with a lapsed lease and the same fingerprint. A function, so that the claim stays one
+-- statement and one round trip: a single statement could not count a scope after waiting for
+-- the scope's lock (its snapshot is taken before the wait), while each query in a VOLATILE
+-- function takes a fresh snapshot (under READ COMMITTED). It returns one record, not a set:
+-- claim.sql calls it inside a CASE, so a replay neither runs nor sets up a table-function
+-- scan. Its name ends in the version of its result columns (sql.rs): replicas of an earlier
+-- version of the crate keep calling theirs during a rolling upgrade.
 --
 -- p_scope, p_max_records, p_max_bytes: the scope and its limits, NULL when quotas are off.
 -- Then the quota block is skipped and the record gets no scope.
@@ -16,8 +18,9 @@
 --    records other than this id through the (scope, expires_at) index, stopping at the
 --    first limit reached: at most p_max_records records, at most p_max_bytes bytes (160 per
 --    record plus its recorded answer). Over a limit: outcome 3, nothing written.
--- 2. Insert the key if it is absent (outcome 0). A conflicting insert in flight is waited
---    for, and then the row is there.
+-- 2. Insert the key if it is absent (outcome 0), the usual case here: one statement, its
+--    result the answer. A conflicting insert in flight is waited for, and then the row is
+--    there.
 -- 3. Otherwise the claim, one statement (outcomes 0 inserted, 1 updated, 2 existing):
 --    `cur` reads the row again with this query's fresh snapshot. The row is written only
 --    when the key is absent (INSERT), expired (replaced, generation 1), or in progress with
@@ -28,23 +31,25 @@
 --    its retention and extends it to cover the new lease, so expires_at >= locked_until.
 --    A takeover keeps the record's recovery point and hands it to the new holder (whose next
 --    save replaces it); a replaced expired record loses its point with its answer.
---    No row comes back when the claim lost a race (`cur` saw no row but the INSERT hit a
+--    The outcome is NULL when the claim lost a race (`cur` saw no row but the INSERT hit a
 --    concurrent one, or the row changed under the UPDATE): the caller runs it again.
+--
+-- Variables are set only where they are used: plpgsql sets up every expression it evaluates
+-- once per transaction, and each claim is a transaction of its own.
 CREATE OR REPLACE FUNCTION {function}(
     p_id bytea, p_fingerprint bytea, p_nonce bytea, p_lease bigint, p_ttl bigint,
-    p_scope bytea, p_max_records bigint, p_max_bytes bigint)
-RETURNS TABLE (outcome smallint, generation bigint, nonce bytea, fingerprint bytea,
-               state smallint, lease_us bigint, status smallint, headers bytea, body bytea,
-               trailers bytea, lapsed_us bigint, recovery_point bytea)
+    p_scope bytea, p_max_records bigint, p_max_bytes bigint,
+    OUT outcome smallint, OUT generation bigint, OUT nonce bytea, OUT fingerprint bytea,
+    OUT state smallint, OUT lease_us bigint, OUT status smallint, OUT headers bytea,
+    OUT body bytea, OUT trailers bytea, OUT lapsed_us bigint, OUT recovery_point bytea)
 LANGUAGE plpgsql VOLATILE
 AS $claim$
 #variable_conflict use_column
 DECLARE
-    n_records bigint := 0;
-    n_bytes bigint := 0;
+    n_records bigint;
+    n_bytes bigint;
     answer_bytes bigint;
-    inserted bigint;
-    over boolean := coalesce(p_max_bytes < 160, false);
+    over boolean;
 BEGIN
     IF p_scope IS NOT NULL AND (p_max_records IS NOT NULL OR p_max_bytes IS NOT NULL) THEN
         IF NOT EXISTS (SELECT FROM {table} AS r
@@ -53,6 +58,9 @@ BEGIN
                                    AND r.fingerprint = p_fingerprint)) THEN
             PERFORM pg_advisory_xact_lock({lock_class},
                 ('x' || encode(substring(p_scope FROM 1 FOR 4), 'hex'))::bit(32)::int4);
+            n_records := 0;
+            n_bytes := 0;
+            over := coalesce(p_max_bytes < 160, false);
             IF NOT over THEN
                 FOR answer_bytes IN
                     SELECT coalesce(octet_length(r.headers), 0) + coalesce(octet_length(r.body), 0)
@@ -70,9 +78,7 @@ BEGIN
                 END LOOP;
             END IF;
             IF over THEN
-                RETURN QUERY SELECT 3::smallint, NULL::bigint, NULL::bytea, NULL::bytea,
-                                    NULL::smallint, NULL::bigint, NULL::smallint, NULL::bytea,
-                                    NULL::bytea, NULL::bytea, NULL::bigint, NULL::bytea;
+                outcome := 3;
                 RETURN;
             END IF;
         END IF;
@@ -86,15 +92,12 @@ BEGIN
             clock_timestamp() + GREATEST(p_lease, p_ttl) * interval '1 microsecond',
             p_scope)
     ON CONFLICT (id) DO NOTHING
-    RETURNING r.generation INTO inserted;
-    IF inserted IS NOT NULL THEN
-        RETURN QUERY SELECT 0::smallint, inserted, NULL::bytea, NULL::bytea, NULL::smallint,
-                            NULL::bigint, NULL::smallint, NULL::bytea, NULL::bytea,
-                            NULL::bytea, NULL::bigint, NULL::bytea;
+    RETURNING 0::smallint, r.generation INTO outcome, generation;
+    IF FOUND THEN
         RETURN;
     END IF;
     -- A row is there (committed since claim.sql looked, or one to replace or take over).
-    RETURN QUERY
+    -- At most one of the three branches returns a row; none when the claim lost a race.
     WITH cur AS MATERIALIZED (
         SELECT r.nonce, r.generation, r.fingerprint, r.state, r.locked_until,
                r.status, r.headers, r.body, r.trailers, r.recovery_point,
@@ -137,10 +140,8 @@ BEGIN
            AND EXISTS (SELECT FROM cur WHERE cur.expired OR cur.lapsed)
         RETURNING r.generation, r.recovery_point
     )
-    SELECT 0::smallint AS outcome, generation, NULL::bytea AS nonce,
-           NULL::bytea AS fingerprint, NULL::smallint AS state, NULL::bigint AS lease_us,
-           NULL::smallint AS status, NULL::bytea AS headers, NULL::bytea AS body,
-           NULL::bytea AS trailers, NULL::bigint AS lapsed_us, NULL::bytea AS recovery_point
+    SELECT 0::smallint, generation, NULL::bytea, NULL::bytea, NULL::smallint, NULL::bigint,
+           NULL::smallint, NULL::bytea, NULL::bytea, NULL::bytea, NULL::bigint, NULL::bytea
       FROM ins
     UNION ALL
     -- How long the replaced lease had lapsed, from the row as `cur` saw it.
@@ -159,6 +160,8 @@ BEGIN
            status, headers, body, trailers, NULL,
            CASE WHEN state = 0 THEN recovery_point END
       FROM cur
-     WHERE NOT expired AND NOT lapsed;
+     WHERE NOT expired AND NOT lapsed
+      INTO outcome, generation, nonce, fingerprint, state, lease_us, status, headers, body,
+           trailers, lapsed_us, recovery_point;
 END
 $claim$;
