@@ -580,3 +580,67 @@ async fn without_a_matched_route_the_configured_label_is_used_never_the_path() {
     assert_eq!(outcomes("bare-service", "executed"), 1);
     assert_eq!(outcomes("/raw/path/with-id-123", "executed"), 0);
 }
+
+/// The recovery worker counts each record it looks at by outcome: `recovered` when it
+/// recorded an answer, `failed` when the recover function failed.
+#[tokio::test]
+async fn recoveries_are_counted_by_outcome() {
+    let store = Arc::new(MemoryStore::new());
+    let timing = Timing::new(Duration::from_millis(200), Duration::from_secs(60)).unwrap();
+    let layer = IdempotencyLayer::new(store.clone())
+        .unscoped()
+        .with_timing(timing);
+    let saved = Arc::new(Notify::new());
+    let app = {
+        let saved = saved.clone();
+        tower::service_fn(move |req: Request<tower_idempotency::RequestBody<Body>>| {
+            let saved = saved.clone();
+            async move {
+                let ctx = req
+                    .extensions()
+                    .get::<tower_idempotency::IdempotencyContext>()
+                    .cloned()
+                    .unwrap();
+                ctx.save_recovery_point("created", "pay_1").await.unwrap();
+                saved.notify_one();
+                std::future::pending::<Result<http::Response<Body>, std::convert::Infallible>>()
+                    .await
+            }
+        })
+    };
+    let svc = tower::Layer::layer(&layer, app);
+    for key in ["metrics-recover-ok", "metrics-recover-fail"] {
+        let mut fut = Box::pin(svc.clone().oneshot(pay("/pay", Some(key), "{}")));
+        tokio::select! {
+            r = &mut fut => panic!("answered: {:?}", r.map(|r| r.status())),
+            () = saved.notified() => {}
+        }
+        // The holder dies: no destructor, no release, no renewal.
+        #[expect(clippy::mem_forget, reason = "a crash: no destructor may run")]
+        std::mem::forget(fut);
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let count = |outcome: &str| {
+        metrics().counter(
+            "idempotency_recoveries_total",
+            &[("outcome", outcome), ("store", "memory")],
+        )
+    };
+    let (recovered, failed) = (count("recovered"), count("failed"));
+    let fail = RecordId::new(None, "metrics-recover-fail");
+    let worker = tower_idempotency::RecoveryWorker::new(&layer, move |ctx| {
+        let failing = ctx.record_id() == fail;
+        async move {
+            if failing {
+                return Err("the card network is down".into());
+            }
+            Ok(http::Response::builder()
+                .status(201)
+                .body(bytes::Bytes::from_static(b"pay_1"))?)
+        }
+    });
+    let report = worker.run_once().await.unwrap();
+    assert_eq!((report.recovered, report.failed), (1, 1), "{report:?}");
+    assert_eq!(count("recovered"), recovered + 1);
+    assert_eq!(count("failed"), failed + 1);
+}
