@@ -331,3 +331,105 @@ async fn a_record_left_for_an_operator_does_not_crowd_out_the_others() {
     assert_eq!(poison.generation, 2, "never taken over by the worker");
     assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
+
+/// A worker whose recover function answers `res` (built fresh per call).
+fn answering(
+    layer: &IdempotencyLayer,
+    res: fn() -> Response<Bytes>,
+) -> RecoveryWorker<
+    impl Fn(IdempotencyContext) -> std::future::Ready<Result<Response<Bytes>, BoxError>>
+        + Send
+        + Sync
+        + 'static,
+> {
+    RecoveryWorker::new(layer, move |_ctx| std::future::ready(Ok(res())))
+}
+
+#[tokio::test]
+async fn the_workers_answer_that_varies_on_request_headers_is_not_recorded() {
+    let store = FaultStore::new(MemoryStore::new());
+    let layer = layer(store.clone());
+    let app = App::default();
+    let worker = answering(&layer, || {
+        let mut res = Response::new(Bytes::from_static(b"by tenant"));
+        *res.status_mut() = StatusCode::CREATED;
+        res.headers_mut()
+            .insert("vary", http::HeaderValue::from_static("x-tenant"));
+        res
+    });
+    app.die_after_saving(&layer, "varies").await;
+    tokio::time::sleep(LAPSE).await;
+    // It has no request to take the Vary digest from: not recorded, the point kept for the
+    // client's retry, which has the headers.
+    assert_eq!(got(&worker.run_once().await.unwrap()), (0, 1));
+    let record = store.inner.get(&id("varies")).await.unwrap().unwrap();
+    assert!(matches!(record.state, RecordState::InProgress { .. }));
+    assert!(record.recovery_point.is_some());
+}
+
+#[tokio::test]
+async fn the_workers_answer_over_the_size_cap_is_kept_as_a_tombstone() {
+    let store = FaultStore::new(MemoryStore::new());
+    let layer =
+        layer(store.clone()).with_max_response_body(std::num::NonZeroUsize::new(16).unwrap());
+    let app = App::default();
+    let worker = answering(&layer, || {
+        let mut res = Response::new(Bytes::from(vec![b'x'; 64]));
+        *res.status_mut() = StatusCode::CREATED;
+        res
+    });
+    app.die_after_saving(&layer, "too-big").await;
+    tokio::time::sleep(LAPSE).await;
+    assert_eq!(got(&worker.run_once().await.unwrap()), (1, 0));
+    let record = store.inner.get(&id("too-big")).await.unwrap().unwrap();
+    assert!(
+        matches!(
+            record.state,
+            RecordState::Completed(tower_idempotency::store::Completion::Tombstone { status })
+                if status == StatusCode::CREATED
+        ),
+        "{record:?}"
+    );
+}
+
+#[tokio::test]
+async fn the_workers_answer_is_fenced_once_someone_else_holds_the_record() {
+    let store = FaultStore::new(MemoryStore::new());
+    let layer = layer(store.clone());
+    let app = App::default();
+    // While the worker recovers, an operator force-releases the record and the client's
+    // retry claims it anew and records its own answer.
+    let worker = {
+        let (store, layer2, app) = (store.clone(), layer.clone(), app.clone());
+        RecoveryWorker::new(&layer, move |_ctx| {
+            let (store, layer2, app) = (store.clone(), layer2.clone(), app.clone());
+            async move {
+                use tower_idempotency::store::IdempotencyAdmin;
+                store.inner.force_release(&id("fenced")).await.unwrap();
+                let res = app
+                    .service(&layer2)
+                    .oneshot(post("/pay", Some("fenced"), "{}"))
+                    .await
+                    .unwrap();
+                assert_eq!(res.status(), StatusCode::CREATED);
+                let mut res = Response::new(Bytes::from_static(b"from the worker"));
+                *res.status_mut() = StatusCode::CREATED;
+                Ok::<_, BoxError>(res)
+            }
+        })
+    };
+    app.die_after_saving(&layer, "fenced").await;
+    tokio::time::sleep(LAPSE).await;
+    assert_eq!(got(&worker.run_once().await.unwrap()), (0, 1));
+    let res = app
+        .service(&layer)
+        .oneshot(post("/pay", Some("fenced"), "{}"))
+        .await
+        .unwrap();
+    assert!(res.headers().get("idempotent-replayed").is_some());
+    assert_eq!(
+        support::body_bytes(res).await,
+        "pay_1",
+        "the retry's answer, not the worker's"
+    );
+}
