@@ -9,8 +9,8 @@ use tokio_postgres::types::ToSql;
 
 use super::retry::Attempts;
 use super::rows::{
-    column, corrupt, decode_claim, decode_record, micros, token_params, CompleteParams, CorruptRow,
-    IN_PROGRESS,
+    column, corrupt, decode_called, decode_claim, decode_record, micros, token_params, ClaimRead,
+    CompleteParams, CorruptRow, IN_PROGRESS,
 };
 use super::PostgresStore;
 use crate::record::{Completion, Fingerprint, Record, RecordId, ScopeId, Token};
@@ -225,16 +225,33 @@ impl PostgresStore {
             &bytes,
         ];
         let mut attempts = Attempts::new(self, false);
+        // Whether the read found a record to replace or take over: then the function alone,
+        // until it answers (a resend after a lost reply reads its own claim back).
+        let mut call = false;
         loop {
             let deadline = attempts.deadline()?;
-            match self.attempt(&self.sql.claim, &params, deadline).await {
+            let sql = if call {
+                &self.sql.claim_call
+            } else {
+                &self.sql.claim
+            };
+            match self.attempt(sql, &params, deadline).await {
                 Ok(rows) => {
                     let row = rows
                         .first()
                         .ok_or_else(|| corrupt(CorruptRow("claim returned no row")))?;
-                    match decode_claim(row, fingerprint, &nonce)? {
-                        Some(outcome) => return Ok(outcome),
-                        None => attempts.again()?,
+                    let read = if call {
+                        decode_called(row, fingerprint, &nonce)?
+                    } else {
+                        decode_claim(row, fingerprint, &nonce)?
+                    };
+                    match read {
+                        ClaimRead::Done(outcome) => return Ok(outcome),
+                        ClaimRead::Call => call = true,
+                        ClaimRead::Again => {
+                            call = false;
+                            attempts.again()?;
+                        }
                     }
                 }
                 Err(f) => attempts.after(f).await?,

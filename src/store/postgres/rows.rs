@@ -267,20 +267,100 @@ pub(super) fn decode_record(row: &impl Columns) -> Result<Record, StoreError> {
     })
 }
 
-/// What the claim statement returned (its one row): `None` when it lost a race and must run
-/// again.
+/// What a claim statement's row says.
+pub(super) enum ClaimRead {
+    /// The claim's outcome.
+    Done(ClaimOutcome),
+    /// The function lost a race: run the claim again.
+    Again,
+    /// The row is expired, or a lapsed lease of this request: claim it with claim_call.sql.
+    Call,
+}
+
+/// A `timestamptz` as Postgres sends it: microseconds since 2000-01-01. Only differences of
+/// two are used, so the epoch does not matter.
+struct Micros(i64);
+
+impl<'r> FromSql<'r> for Micros {
+    fn from_sql(_: &Type, raw: &'r [u8]) -> Result<Self, Box<dyn StdError + Sync + Send>> {
+        let bytes: [u8; 8] = raw
+            .try_into()
+            .map_err(|_| CorruptRow("timestamp is not 8 bytes"))?;
+        Ok(Self(i64::from_be_bytes(bytes)))
+    }
+
+    fn accepts(ty: &Type) -> bool {
+        *ty == Type::TIMESTAMPTZ
+    }
+}
+
+/// The row claim.sql read, with the lease left (µs, by the database's clock) that the
+/// statement leaves to the store to work out.
+struct ReadRow<'r> {
+    row: &'r Row,
+    /// `lease_us` in Postgres's binary form for a `bigint`.
+    lease_us: [u8; 8],
+}
+
+impl Columns for ReadRow<'_> {
+    fn value<'r, T: FromSql<'r>>(&'r self, name: &str) -> Result<T, StoreError> {
+        if name != "lease_us" {
+            return self.row.value(name);
+        }
+        if !T::accepts(&Type::INT8) {
+            return Err(corrupt(CorruptRow("lease_us read as another type")));
+        }
+        T::from_sql(&Type::INT8, &self.lease_us).map_err(corrupt)
+    }
+}
+
+/// What the claim statement (claim.sql) returned, its one row.
 pub(super) fn decode_claim(
     row: &Row,
     fingerprint: &Fingerprint,
     nonce: &[u8; 16],
-) -> Result<Option<ClaimOutcome>, StoreError> {
-    // No answer from the function: the statement read a live record, in the row's columns.
-    let Some(claimed) = column::<Option<Claimed<'_>>>(row, "claimed")? else {
-        return decode_outcome(EXISTING, row, fingerprint, nonce).map(Some);
+) -> Result<ClaimRead, StoreError> {
+    if let Some(claimed) = column::<Option<Claimed<'_>>>(row, "claimed")? {
+        return decode_claimed(&claimed, fingerprint, nonce);
+    }
+    // A row is there: live unless expired or a lapsed lease of this same request, the same
+    // test the claim function makes (`{expired}` and its takeover condition in sql.rs).
+    let Micros(now) = column(row, "now")?;
+    let Micros(locked_until) = column(row, "locked_until")?;
+    let Micros(expires_at) = column(row, "expires_at")?;
+    let state: i16 = column(row, "state")?;
+    let fp: &[u8] = column(row, "fingerprint")?;
+    let held = state == IN_PROGRESS && locked_until > now;
+    let expired = expires_at <= now && !held;
+    let lapsed = state == IN_PROGRESS && !held && fp == fingerprint.as_bytes();
+    if expired || lapsed {
+        return Ok(ClaimRead::Call);
+    }
+    let read = ReadRow {
+        row,
+        lease_us: locked_until.saturating_sub(now).to_be_bytes(),
     };
+    decode_outcome(EXISTING, &read, fingerprint, nonce).map(ClaimRead::Done)
+}
+
+/// What claim_call.sql returned, its one row: the claim function's answer.
+pub(super) fn decode_called(
+    row: &Row,
+    fingerprint: &Fingerprint,
+    nonce: &[u8; 16],
+) -> Result<ClaimRead, StoreError> {
+    let claimed: Claimed<'_> = column(row, "claimed")?;
+    decode_claimed(&claimed, fingerprint, nonce)
+}
+
+fn decode_claimed(
+    claimed: &Claimed<'_>,
+    fingerprint: &Fingerprint,
+    nonce: &[u8; 16],
+) -> Result<ClaimRead, StoreError> {
     match claimed.value::<Option<i16>>("outcome")? {
-        Some(outcome) => decode_outcome(outcome, &claimed, fingerprint, nonce).map(Some),
-        None => Ok(None),
+        Some(outcome) => decode_outcome(outcome, claimed, fingerprint, nonce).map(ClaimRead::Done),
+        None => Ok(ClaimRead::Again),
     }
 }
 

@@ -106,6 +106,7 @@ pub(super) struct Sql {
     pub(super) migrate: String,
     pub(super) verify: String,
     pub(super) claim: String,
+    pub(super) claim_call: String,
     pub(super) extend: String,
     pub(super) complete: String,
     pub(super) release: String,
@@ -165,6 +166,8 @@ impl Sql {
             migrate: format!("{migrate}\n{function}\n{previous}"),
             verify: load(include_str!("sql/verify.sql"), table),
             claim: load(include_str!("sql/claim.sql"), table)
+                .replace("{function}", &table.function),
+            claim_call: load(include_str!("sql/claim_call.sql"), table)
                 .replace("{function}", &table.function),
             extend: load(include_str!("sql/extend.sql"), table),
             complete: load(include_str!("sql/complete.sql"), table),
@@ -227,6 +230,7 @@ mod tests {
             &sql.migrate,
             &sql.verify,
             &sql.claim,
+            &sql.claim_call,
             &sql.extend,
             &sql.complete,
             &sql.release,
