@@ -1,7 +1,8 @@
 //! Run with: `cargo bench --bench fingerprint`
 //!
-//! The canonical-JSON digest of a request body beside two baselines measured in the same
-//! run: SHA-256 of the raw bytes, and `serde_json::from_slice::<Value>` (parsing alone).
+//! The canonical-JSON digest of a request body beside baselines measured in the same run:
+//! SHA-256 of the raw bytes, `serde_json::from_slice::<Value>` (parsing alone) and `serde_json`
+//! reading into `IgnoredAny` (validation alone).
 //! Bodies of about 200 B, 1 KiB, 64 KiB and 1 MiB: orders of nested objects, escaped
 //! strings, integers and decimals.
 #![allow(missing_docs)]
@@ -50,12 +51,25 @@ fn count_only() -> bool {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(100);
-    // `FINGERPRINT_CASE=sha256_raw`, `serde_json_value`, `serde_json_ignored` or
-    // `simd_json_tape` runs a baseline the same way, so that CPU times (`perf stat -e
-    // task-clock`) compare when wall-clock figures are too noisy.
+    // `FINGERPRINT_CASE=sha256_raw`, `sha256_canonical`, `canonical_json`,
+    // `serde_json_value`, `serde_json_ignored` or `simd_json_tape` runs a baseline the same
+    // way, so that CPU times (`perf stat -e task-clock`) compare when wall-clock figures are
+    // too noisy.
     match std::env::var("FINGERPRINT_CASE").as_deref() {
         Ok("sha256_raw") => (0..rounds).for_each(|_| {
             black_box(Sha256::digest(black_box(&body)));
+        }),
+        // SHA-256 of the canonical bytes alone: subtracted from the fingerprint's time, the
+        // canonicaliser's own.
+        Ok("sha256_canonical") => {
+            let canonical = tower_idempotency::__bench::canonical_json(&body).unwrap();
+            (0..rounds).for_each(|_| {
+                black_box(Sha256::digest(black_box(&canonical)));
+            })
+        }
+        // The canonicaliser alone, measured directly: it also allocates its output each round.
+        Ok("canonical_json") => (0..rounds).for_each(|_| {
+            black_box(tower_idempotency::__bench::canonical_json(black_box(&body)).unwrap());
         }),
         Ok("serde_json_value") => (0..rounds).for_each(|_| {
             black_box(serde_json::from_slice::<serde_json::Value>(black_box(&body)).unwrap());
@@ -106,6 +120,13 @@ fn fingerprint(c: &mut Criterion) {
             &body,
             |b, body| {
                 b.iter(|| serde_json::from_slice::<serde_json::Value>(black_box(body)).unwrap())
+            },
+        );
+        g.bench_with_input(
+            BenchmarkId::new("serde_json_ignored", body.len()),
+            &body,
+            |b, body| {
+                b.iter(|| serde_json::from_slice::<serde::de::IgnoredAny>(black_box(body)).unwrap())
             },
         );
         g.bench_with_input(
