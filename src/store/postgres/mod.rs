@@ -82,8 +82,10 @@
 //!   (claim.sql). It first reads the row by its primary key. A completed record or a live
 //!   lease (a replay, a conflict, a mismatch) is the answer, and the writing half, the
 //!   PL/pgSQL function `<table>_claim_v3` (claim_function.sql), is not called (a `CASE`
-//!   calls it only when no live record was read): a replay is one index lookup and writes
-//!   nothing. Otherwise the function claims:
+//!   calls it only when no row was read): a replay is one index lookup and writes nothing.
+//!   The store tells a live row from an expired one, or from a lapsed lease of the same
+//!   request, by the timestamps read with the database's clock; those two rare cases take
+//!   a second statement, the function alone (claim_call.sql). The function claims:
 //!   it inserts an absent key (`INSERT … ON CONFLICT (id) DO NOTHING`); when a row is there
 //!   it reads it again with a fresh snapshot and, in one statement, replaces an expired row
 //!   (generation 1), takes over one in progress with a lapsed lease and the same
@@ -281,7 +283,7 @@
 //! count until their `expires_at`; bytes are the recorded answers' (headers, body, trailers)
 //! plus 160 per record for the row and its index entries.
 //!
-//! The claim stays one statement and one round trip, and a live record needs no room, so the
+//! The claim of a new key stays one statement and one round trip, and a live record needs no room, so the
 //! quota is never checked for a replay (claim.sql answers it without calling the function).
 //! For a new key, the claim function takes a transaction-level advisory
 //! lock on the scope (claims of other scopes do not wait), counts the scope's live records

@@ -268,6 +268,9 @@ pub(super) fn decode_record(row: &impl Columns) -> Result<Record, StoreError> {
 }
 
 /// What a claim statement's row says.
+// Returned and matched at once, never stored: boxing the outcome would cost every claim an
+// allocation.
+#[allow(clippy::large_enum_variant)]
 pub(super) enum ClaimRead {
     /// The claim's outcome.
     Done(ClaimOutcome),
