@@ -20,6 +20,8 @@ use tower_idempotency::store::{
 use tower_idempotency::store::{RecordId, RecordState, ScopeId, Token};
 
 const LEASE: Duration = Duration::from_secs(30);
+/// A lease short enough to lapse within a test.
+const SHORT_LEASE: Duration = Duration::from_millis(60);
 const TTL: Duration = Duration::from_secs(600);
 
 /// One shared table for the suite: its checks use unique record ids, so they never collide,
@@ -183,6 +185,30 @@ async fn warm(store: &PostgresStore) {
             .unwrap(),
     );
     store.release(&id, &t).await.unwrap();
+    // A takeover of a lapsed lease, so claim_call.sql is prepared too.
+    let id = lapsed(store, "warm-takeover").await;
+    let t = claimed(
+        store
+            .claim(&ClaimRequest::new(&id, &fp(98), LEASE, TTL))
+            .await
+            .unwrap(),
+    );
+    assert_eq!(t.generation(), 2, "the lapsed lease was taken over");
+    store.release(&id, &t).await.unwrap();
+}
+
+/// A record whose short lease has lapsed, of request `fp(98)`: the next claim of it with that
+/// fingerprint takes it over, in two statements (the read, then claim_call.sql).
+async fn lapsed(store: &PostgresStore, label: &str) -> RecordId {
+    let id = unique_id(label);
+    claimed(
+        store
+            .claim(&ClaimRequest::new(&id, &fp(98), SHORT_LEASE, TTL))
+            .await
+            .unwrap(),
+    );
+    tokio::time::sleep(SHORT_LEASE * 3).await;
+    id
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -760,12 +786,24 @@ async fn round_trips_are_two_for_new_and_one_for_replay_or_conflict() {
     store.release(&ops, &t2).await.unwrap();
     let release = measure(&proxy);
 
+    // A takeover of a lapsed lease is the one claim that takes a second statement.
+    let old = lapsed(&store, "takeover").await;
+    measure(&proxy);
+    let t = claimed(
+        store
+            .claim(&ClaimRequest::new(&old, &fp(98), LEASE, TTL))
+            .await
+            .unwrap(),
+    );
+    let takeover = measure(&proxy);
+    assert!(t.generation() > 1, "taken over: {}", t.generation());
+
     println!(
         "round trips: new {new}, replay {replay}, conflict {conflict}, mismatch {mismatch}, \
-         extend {extend}, get {get}, release {release}"
+         extend {extend}, get {get}, release {release}, takeover {takeover}"
     );
     assert_eq!((new, replay, conflict, mismatch), (2, 1, 1, 1));
-    assert_eq!((extend, get, release), (1, 1, 1));
+    assert_eq!((extend, get, release, takeover), (1, 1, 1, 2));
     drop(store);
     schema.drop_now().await;
 }
@@ -833,6 +871,63 @@ async fn lost_claim_reply_is_read_back_as_claimed() {
     proxy.next_reply(mode::CUT, mode::PASS);
     store.release(&other, &t).await.expect("read back");
     assert!(direct.get(&other).await.unwrap().is_none());
+    drop((store, direct));
+    schema.drop_now().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_takeover_reply_is_read_back_as_claimed() {
+    let Some(url) = pg_support::url() else { return };
+    let schema = TestSchema::create(&url, "lost_takeover").await;
+    let direct = store_in(&url, &schema, 1, "tidem-lost-takeover-direct").await;
+    let proxy = Proxy::start(&url).await;
+    let store = PostgresStore::builder()
+        .with_table(&schema.table())
+        .unwrap()
+        .build(pool_from(proxy.config(&url), 1, "tidem-lost-takeover"));
+    warm(&store).await;
+    let id = lapsed(&store, "lost-takeover").await;
+    let generation = direct.get(&id).await.unwrap().unwrap().generation;
+
+    // The read passes; the reply of the second statement, the claim function's takeover,
+    // is lost with its connection. The resend reads its own takeover back.
+    let (before, trips) = (proxy.connections(), proxy.round_trips());
+    proxy.reply_after(1, mode::CUT, mode::PASS);
+    let token = claimed(
+        store
+            .claim(&ClaimRequest::new(&id, &fp(98), LEASE, TTL))
+            .await
+            .expect("read back"),
+    );
+    assert_eq!(proxy.connections(), before + 1, "the reply was not lost");
+    assert_eq!(proxy.cut_at(), trips + 1, "the read's reply passed, the call's was cut");
+    assert_eq!(token.generation(), generation + 1, "one takeover, not two");
+    let record = direct.get(&id).await.unwrap().unwrap();
+    assert_eq!(record.generation, generation + 1);
+    assert!(matches!(record.state, RecordState::InProgress { .. }));
+    // The token read back is the one the store holds: it completes, once.
+    store
+        .complete(&id, &token, &response(201, "taken over"), TTL)
+        .await
+        .unwrap();
+    assert_eq!(
+        direct.get(&id).await.unwrap().unwrap().state,
+        RecordState::Completed(response(201, "taken over"))
+    );
+
+    // Lost, then the database is unreachable for the resend: unknown, never claimed.
+    let other = lapsed(&store, "lost-takeover-unknown").await;
+    proxy.reply_after(1, mode::CUT, mode::REFUSE);
+    let err = store
+        .claim(&ClaimRequest::new(&other, &fp(98), LEASE, TTL))
+        .await
+        .unwrap_err();
+    proxy.set_mode(mode::PASS);
+    assert_eq!(err.kind(), StoreErrorKind::Unknown, "{err:?}");
+    assert!(matches!(
+        direct.get(&other).await.unwrap().unwrap().state,
+        RecordState::InProgress { .. }
+    ));
     drop((store, direct));
     schema.drop_now().await;
 }

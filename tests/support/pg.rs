@@ -160,6 +160,8 @@ pub struct Proxy {
     accepted: Arc<AtomicU64>,
     mode: Arc<AtomicU8>,
     after: Arc<AtomicU8>,
+    grace: Arc<AtomicU64>,
+    cut_at: Arc<AtomicU64>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -184,12 +186,16 @@ impl Proxy {
         let accepted = Arc::new(AtomicU64::new(0));
         let mode = Arc::new(AtomicU8::new(mode::PASS));
         let after = Arc::new(AtomicU8::new(mode::PASS));
+        let grace = Arc::new(AtomicU64::new(0));
+        let cut_at = Arc::new(AtomicU64::new(u64::MAX));
         let task = {
-            let (ready, accepted, mode, after, upstream) = (
+            let (ready, accepted, mode, after, grace, cut_at, upstream) = (
                 ready.clone(),
                 accepted.clone(),
                 mode.clone(),
                 after.clone(),
+                grace.clone(),
+                cut_at.clone(),
                 upstream,
             );
             tokio::spawn(async move {
@@ -202,13 +208,18 @@ impl Proxy {
                         drop(client);
                         continue;
                     }
-                    let (ready, mode, after, upstream) =
-                        (ready.clone(), mode.clone(), after.clone(), upstream.clone());
+                    let modes = Modes {
+                        now: mode.clone(),
+                        after: after.clone(),
+                        grace: grace.clone(),
+                        cut_at: cut_at.clone(),
+                    };
+                    let (ready, upstream) = (ready.clone(), upstream.clone());
                     tokio::spawn(async move {
                         let Ok(server) = TcpStream::connect(&upstream).await else {
                             return;
                         };
-                        relay(client, server, ready, mode, after).await;
+                        relay(client, server, ready, modes).await;
                     });
                 }
             })
@@ -219,6 +230,8 @@ impl Proxy {
             accepted,
             mode,
             after,
+            grace,
+            cut_at,
             task,
         }
     }
@@ -235,8 +248,20 @@ impl Proxy {
 
     /// Applies `what` to the next server reply, then switches to `then`.
     pub fn next_reply(&self, what: u8, then: u8) {
+        self.reply_after(0, what, then);
+    }
+
+    /// Relays `passed` whole replies (round trips) first, then applies `what` to the next
+    /// one and switches to `then`: to lose the second statement of a two-statement claim.
+    pub fn reply_after(&self, passed: u64, what: u8, then: u8) {
         self.after.store(then, Ordering::SeqCst);
+        self.grace.store(passed, Ordering::SeqCst);
         self.mode.store(what, Ordering::SeqCst);
+    }
+
+    /// Round trips relayed when the proxy last cut a reply (`u64::MAX` before any cut).
+    pub fn cut_at(&self) -> u64 {
+        self.cut_at.load(Ordering::SeqCst)
     }
 
     pub fn set_mode(&self, what: u8) {
@@ -261,13 +286,22 @@ impl Proxy {
     }
 }
 
-async fn relay(
-    client: TcpStream,
-    server: TcpStream,
-    ready: Arc<AtomicU64>,
-    mode: Arc<AtomicU8>,
+/// The proxy's shared switches, as each relay sees them.
+struct Modes {
+    now: Arc<AtomicU8>,
     after: Arc<AtomicU8>,
-) {
+    /// Replies still to relay untouched before `now` applies.
+    grace: Arc<AtomicU64>,
+    cut_at: Arc<AtomicU64>,
+}
+
+async fn relay(client: TcpStream, server: TcpStream, ready: Arc<AtomicU64>, modes: Modes) {
+    let Modes {
+        now: mode,
+        after,
+        grace,
+        cut_at,
+    } = modes;
     let (mut cr, mut cw) = client.into_split();
     let (mut sr, mut sw) = server.into_split();
     let upstream = async move {
@@ -282,8 +316,11 @@ async fn relay(
                 Ok(0) | Err(_) => return,
                 Ok(n) => n,
             };
+            let held = grace.load(Ordering::SeqCst) > 0;
             match mode.load(Ordering::SeqCst) {
+                mode::CUT | mode::STALL if held => {}
                 mode::CUT => {
+                    cut_at.store(ready.load(Ordering::SeqCst), Ordering::SeqCst);
                     mode.store(after.load(Ordering::SeqCst), Ordering::SeqCst);
                     return; // dropping both halves closes the client's socket
                 }
@@ -294,7 +331,12 @@ async fn relay(
                 }
                 _ => {}
             }
-            ready.fetch_add(framer.count_ready(&buf[..n]), Ordering::SeqCst);
+            let ended = framer.count_ready(&buf[..n]);
+            if held {
+                let left = grace.load(Ordering::SeqCst).saturating_sub(ended);
+                grace.store(left, Ordering::SeqCst);
+            }
+            ready.fetch_add(ended, Ordering::SeqCst);
             if cw.write_all(&buf[..n]).await.is_err() {
                 return;
             }
