@@ -2061,7 +2061,8 @@ async fn migrate_upgrades_a_table_from_before_quotas_and_keeps_an_operators_sett
                  nonce bytea NOT NULL CHECK (octet_length(nonce) = 16),
                  locked_until timestamptz NOT NULL,
                  status smallint, headers bytea, body bytea, trailers bytea,
-                 created_at timestamptz NOT NULL, expires_at timestamptz NOT NULL
+                 created_at timestamptz NOT NULL, expires_at timestamptz NOT NULL,
+                 CONSTRAINT operator_rule CHECK (status IS NULL OR status BETWEEN 100 AND 599)
              ) WITH (fillfactor = 90);
              CREATE INDEX records_expires_at_idx ON {table} (expires_at);"
         ))
@@ -2097,6 +2098,22 @@ async fn migrate_upgrades_a_table_from_before_quotas_and_keeps_an_operators_sett
     );
     // The primary key, the sweeper's index, the scope index and the recovery index.
     assert_eq!((row.get::<_, i64>(1), row.get::<_, i64>(2)), (4, 2));
+    // The CHECK constraints the previous release declared are dropped (each costs every
+    // insert and update); the operator's own is kept.
+    let checks: Vec<String> = admin
+        .query(
+            &format!(
+                "SELECT conname::text FROM pg_constraint
+                  WHERE conrelid = '{table}'::regclass AND contype = 'c' ORDER BY 1"
+            ),
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(checks, ["operator_rule"]);
     // The upgraded table works with quotas.
     let store = PostgresStore::builder()
         .with_table(old.table())
@@ -2147,6 +2164,20 @@ async fn migrate_sets_the_storage_settings_of_a_new_table() {
         "{fillfactor=80,autovacuum_vacuum_scale_factor=0.01,\
          autovacuum_analyze_scale_factor=0.05,autovacuum_vacuum_cost_delay=0}"
     );
+    // No CHECK constraints: each would be rebuilt for every insert and update.
+    let checks: i64 = admin(&url)
+        .await
+        .query_one(
+            &format!(
+                "SELECT count(*) FROM pg_constraint WHERE conrelid = '{}'::regclass AND contype = 'c'",
+                schema.table()
+            ),
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(checks, 0);
     schema.drop_now().await;
 }
 
