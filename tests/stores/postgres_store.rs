@@ -900,7 +900,11 @@ async fn lost_takeover_reply_is_read_back_as_claimed() {
             .expect("read back"),
     );
     assert_eq!(proxy.connections(), before + 1, "the reply was not lost");
-    assert_eq!(proxy.cut_at(), trips + 1, "the read's reply passed, the call's was cut");
+    assert_eq!(
+        proxy.cut_at(),
+        trips + 1,
+        "the read's reply passed, the call's was cut"
+    );
     assert_eq!(token.generation(), generation + 1, "one takeover, not two");
     let record = direct.get(&id).await.unwrap().unwrap();
     assert_eq!(record.generation, generation + 1);
