@@ -6,6 +6,7 @@
 #
 #   bash bench/callgrind.sh                 # every mode and case
 #   bash bench/callgrind.sh on replay       # one
+#   CALLGRIND_OUT=/tmp/cg bash bench/callgrind.sh on unique   # and keep the profiles
 #
 # Modes: off (no layer), noop (a tower layer that does nothing), on (the idempotency layer on
 # the memory store). Cases: get (pass-through), unique (a new key each), replay.
@@ -16,8 +17,13 @@ cd "$(dirname "$0")/.."
 command -v valgrind >/dev/null || { echo "installing valgrind" >&2; apt-get install -y valgrind >/dev/null; }
 cargo build --release --quiet --example shop --features axum
 SHOP="${CARGO_TARGET_DIR:-target}/release/examples/shop"
-out=$(mktemp -d)
-trap 'rm -rf "$out"' EXIT
+# CALLGRIND_OUT=dir keeps the profiles (cg.<mode>.<case>.<n>) for callgrind_annotate.
+if [ -n "${CALLGRIND_OUT:-}" ]; then
+  out=$CALLGRIND_OUT; mkdir -p "$out"
+else
+  out=$(mktemp -d)
+  trap 'rm -rf "$out"' EXIT
+fi
 
 count() { # mode case n -> total instructions
   local port

@@ -285,6 +285,9 @@ pub(crate) struct Config {
     pub(crate) on_abandoned: Option<AbandonedFn>,
     /// Send [`TTL_HEADER`](crate::TTL_HEADER) on recorded answers and replays.
     pub(crate) ttl_header: bool,
+    /// The [`TTL_HEADER`](crate::TTL_HEADER) value when it is sent: made once per edit of
+    /// the layer rather than formatted per answer.
+    pub(crate) ttl_value: Option<http::HeaderValue>,
     /// Whether a recorded answer's `Vary` headers must match on replay.
     pub(crate) vary_match: bool,
 }
@@ -292,6 +295,13 @@ pub(crate) struct Config {
 pub(crate) type AbandonedFn = Arc<dyn Fn(&crate::Abandoned) + Send + Sync>;
 
 impl Config {
+    /// Makes what is derived from the settings again, after an edit.
+    pub(crate) fn derive(&mut self) {
+        self.ttl_value = self
+            .ttl_header
+            .then(|| http::HeaderValue::from(self.timing.ttl().as_secs()));
+    }
+
     /// The response headers (or trailers) a record keeps: the one rule for both protocols,
     /// for the layer and for handlers that record their own answer.
     pub(crate) fn recorded_headers(&self, headers: &http::HeaderMap) -> http::HeaderMap {

@@ -103,7 +103,8 @@ impl IdempotencyContext {
         let point = self.recovery_point_for(step, data.into())?;
         let store = &self.config.store;
         let timeout = self.config.timing.store_timeout();
-        match tokio::time::timeout(
+        // No timer for a call that is done at its first poll (an in-memory store).
+        match crate::service::within_for(
             timeout,
             store.save_recovery_point(&self.record_id, &self.token, &point),
         )

@@ -83,6 +83,7 @@ impl IdempotencyLayer {
                 route_label: std::borrow::Cow::Borrowed("unnamed"),
                 on_abandoned: None,
                 ttl_header: false,
+                ttl_value: None,
                 vary_match: true,
             }),
             waiters: Arc::default(),
@@ -90,7 +91,9 @@ impl IdempotencyLayer {
     }
 
     fn edit(mut self, f: impl FnOnce(&mut Config)) -> Self {
-        f(Arc::make_mut(&mut self.config));
+        let config = Arc::make_mut(&mut self.config);
+        f(config);
+        config.derive();
         self
     }
 

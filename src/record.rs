@@ -94,6 +94,34 @@ impl ScopeId {
         Self(h.finalize().into())
     }
 
+    /// [`new`](Self::new), remembered: the unscoped id once per process, a named scope's
+    /// for the last few scopes this thread saw. A layer meets the same few scopes request
+    /// after request, and each would cost a SHA-256 block.
+    pub(crate) fn cached(scope: Option<&str>) -> Self {
+        static UNSCOPED: std::sync::OnceLock<ScopeId> = std::sync::OnceLock::new();
+        let Some(s) = scope else {
+            return *UNSCOPED.get_or_init(|| Self::new(None));
+        };
+        // Gone only while the thread exits: then computed.
+        SCOPE_IDS
+            .try_with(|cache| {
+                let mut cache = cache.borrow_mut();
+                if let Some((_, id)) = cache.entries.iter().find(|(name, _)| &**name == s) {
+                    return *id;
+                }
+                let id = Self::new(scope);
+                let slot = cache.next;
+                cache.next = (slot + 1) % SCOPE_CACHE;
+                if slot < cache.entries.len() {
+                    cache.entries[slot] = (s.into(), id);
+                } else {
+                    cache.entries.push((s.into(), id));
+                }
+                id
+            })
+            .unwrap_or_else(|_| Self::new(scope))
+    }
+
     /// Wraps 32 bytes read back from a store.
     pub const fn from_bytes(bytes: [u8; 32]) -> Self {
         Self(bytes)
@@ -108,6 +136,21 @@ impl ScopeId {
     pub fn to_hex(&self) -> String {
         hex(&self.0)
     }
+}
+
+/// How many scopes' ids a thread remembers: replaced in turn, so a thread serving many
+/// tenants costs a few string compares more than it saves, never a growing table.
+const SCOPE_CACHE: usize = 8;
+
+#[derive(Default)]
+struct ScopeIds {
+    entries: Vec<(Box<str>, ScopeId)>,
+    /// The slot the next new scope takes.
+    next: usize,
+}
+
+thread_local! {
+    static SCOPE_IDS: std::cell::RefCell<ScopeIds> = std::cell::RefCell::new(ScopeIds::default());
 }
 
 impl fmt::Debug for ScopeId {
@@ -466,7 +509,15 @@ impl Completion {
                 out
             }
             Completion::Response(r) => {
-                let mut out = Vec::with_capacity(r.body.len() + 64 + 48 * r.headers.len());
+                // Exactly its size: a store that keeps it as it is needs no second allocation.
+                let len = 4
+                    + headers_len(&r.headers)
+                    + 4
+                    + r.body.len()
+                    + 1
+                    + r.trailers.as_ref().map_or(0, headers_len)
+                    + r.vary.as_ref().map_or(1, |v| 1 + 4 + v.names.len() + 32);
+                let mut out = Vec::with_capacity(len);
                 out.put_u8(COMPLETION_FORMAT);
                 out.put_u8(KIND_RESPONSE);
                 out.put_u16(r.status.as_u16());
@@ -564,6 +615,14 @@ pub(crate) fn fits_record(headers: &HeaderMap) -> bool {
 }
 
 /// Appends `headers` in the layout [`Completion::encode`] uses (a `u32` count, then pairs).
+/// How many bytes [`put_headers`] writes for `headers`.
+fn headers_len(headers: &HeaderMap) -> usize {
+    4 + headers
+        .iter()
+        .map(|(name, value)| 2 + name.as_str().len() + 4 + value.len())
+        .sum::<usize>()
+}
+
 pub(crate) fn put_headers(out: &mut Vec<u8>, headers: &HeaderMap) {
     out.put_u32(headers.len() as u32);
     for (name, value) in headers {
@@ -582,8 +641,9 @@ pub(crate) fn get_headers(buf: &mut Bytes) -> Result<HeaderMap, DecodeError> {
     if count > MAX_RECORDED_FIELDS {
         return Err(DecodeError("too many header fields"));
     }
-    // Two to spare: a replay adds its marker and the TTL header without growing the map.
-    let mut headers = HeaderMap::try_with_capacity(count.min(64) + 2)
+    // Four to spare: a replay adds its marker and the TTL header, and a server its
+    // `Content-Length` and `Date`, without growing the map.
+    let mut headers = HeaderMap::try_with_capacity(count.min(64) + 4)
         .map_err(|_| DecodeError("too many header fields"))?;
     let mut bytes = 0usize;
     for _ in 0..count {
@@ -740,6 +800,52 @@ mod tests {
             Completion::decode(Bytes::from(bad_flag)).unwrap_err(),
             DecodeError("invalid vary flag")
         );
+    }
+
+    #[test]
+    fn an_encoded_response_fills_exactly_the_room_it_reserved() {
+        let mut headers = HeaderMap::new();
+        headers.insert("content-type", HeaderValue::from_static("application/json"));
+        headers.append("x-a", HeaderValue::from_static("1"));
+        headers.append("x-a", HeaderValue::from_static("22"));
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", HeaderValue::from_static("0"));
+        let mut r = StoredResponse::new(
+            StatusCode::CREATED,
+            headers,
+            Bytes::from_static(b"{}"),
+            None,
+        );
+        let plain = Completion::Response(r.clone()).encode();
+        assert_eq!(plain.len(), plain.capacity());
+        r.trailers = Some(trailers);
+        r.vary = Some(VaryGuard {
+            names: "accept,authorization".into(),
+            digest: [3; 32],
+        });
+        let full = Completion::Response(r).encode();
+        assert_eq!(full.len(), full.capacity());
+    }
+
+    #[test]
+    fn cached_scope_ids_equal_derived_ones_past_the_cache_size() {
+        assert_eq!(ScopeId::cached(None), ScopeId::new(None));
+        let names: Vec<String> = (0..3 * SCOPE_CACHE)
+            .map(|i| format!("tenant-{i}"))
+            .collect();
+        for round in 0..2 {
+            for (i, name) in names.iter().enumerate() {
+                let want = ScopeId::new(Some(name));
+                assert_eq!(
+                    ScopeId::cached(Some(name)),
+                    want,
+                    "round {round}, scope {i}"
+                );
+                // Hit while still remembered.
+                assert_eq!(ScopeId::cached(Some(name)), want);
+            }
+        }
+        assert_ne!(ScopeId::cached(Some("")), ScopeId::cached(None));
     }
 
     #[test]

@@ -43,6 +43,48 @@ pub(crate) fn completion(
     }
 }
 
+/// [`completion`], for the layer's own answer, whose headers it may take: when the record
+/// keeps every one of them they move into the completion instead of being copied (no map
+/// built per record), and `headers` is left empty for [`give_back`] once it is stored.
+pub(crate) fn completion_taking(
+    cfg: &Config,
+    request: Option<&HeaderMap>,
+    status: StatusCode,
+    headers: &mut HeaderMap,
+    body: Bytes,
+    trailers: Option<&HeaderMap>,
+) -> Completion {
+    let all_kept = headers
+        .keys()
+        .all(|n| crate::response::is_recorded(n, &cfg.unrecorded_headers));
+    if !all_kept || body.len() > cfg.max_response_body {
+        return completion(cfg, request, status, headers, body, trailers);
+    }
+    let vary = request.and_then(|request| vary_guard(headers, request));
+    let stored = StoredResponse {
+        status,
+        headers: std::mem::take(headers),
+        body,
+        trailers: trailers.map(|t| cfg.recorded_headers(t)),
+        vary,
+    };
+    if stored.fits() {
+        Completion::Response(stored)
+    } else {
+        *headers = stored.headers;
+        Completion::Tombstone { status }
+    }
+}
+
+/// Puts back the headers [`completion_taking`] took, once the completion is stored.
+pub(crate) fn give_back(headers: &mut HeaderMap, completion: Completion) {
+    if headers.is_empty() {
+        if let Completion::Response(stored) = completion {
+            *headers = stored.headers;
+        }
+    }
+}
+
 /// The guard for an answer with these headers, or `None` when its `Vary` names no header.
 fn vary_guard(answer: &HeaderMap, request: &HeaderMap) -> Option<VaryGuard> {
     let names = vary_names(answer);

@@ -226,11 +226,16 @@ pub(crate) fn recorded_headers(headers: &HeaderMap, extra: &[HeaderName]) -> Hea
     // name each) per unrecorded name.
     let mut kept = HeaderMap::with_capacity(headers.len() + 2);
     for (name, value) in headers {
-        if !UNRECORDED.contains(name) && !extra.contains(name) {
+        if is_recorded(name, extra) {
             kept.append(name.clone(), value.clone());
         }
     }
     kept
+}
+
+/// Whether a record keeps the field `name`, given the configured `extra` unrecorded names.
+pub(crate) fn is_recorded(name: &HeaderName, extra: &[HeaderName]) -> bool {
+    !UNRECORDED.contains(name) && !extra.contains(name)
 }
 
 #[cfg(test)]

@@ -150,20 +150,8 @@ pub(crate) fn fingerprint(
     body: &[u8],
     config: &Fingerprinting,
 ) -> Fingerprint {
-    let mut h = Hasher(Sha256::new());
-    // A prefix of its own: a route-only fingerprint never equals a full one.
-    h.0.update(if config.route_only {
-        &b"tower-idempotency fingerprint v1 route-only\0"[..]
-    } else {
-        b"tower-idempotency fingerprint v1\0"
-    });
-    h.field(parts.method.as_str().as_bytes());
-    h.field(
-        target
-            .path_and_query()
-            .map_or("/", |p| p.as_str())
-            .as_bytes(),
-    );
+    let path = target.path_and_query().map_or("/", |p| p.as_str());
+    let mut h = head(config.route_only, parts.method.as_str(), path);
     if config.route_only {
         hash_headers(&mut h, parts, config);
         return Fingerprint::from_bytes(h.0.finalize().into());
@@ -216,6 +204,89 @@ pub(crate) fn fingerprint(
 
     hash_headers(&mut h, parts, config);
     Fingerprint::from_bytes(h.0.finalize().into())
+}
+
+/// The hasher after the prefix, the method and the path and query: the same for every request
+/// to one route, and over one SHA-256 block for most, so this thread keeps the state for its
+/// last few routes and starts from it. The digest is the same either way.
+fn head(route_only: bool, method: &str, path: &str) -> Hasher {
+    // A prefix of its own: a route-only fingerprint never equals a full one.
+    let prefix: &[u8] = if route_only {
+        b"tower-idempotency fingerprint v1 route-only\0"
+    } else {
+        b"tower-idempotency fingerprint v1\0"
+    };
+    let fresh = || {
+        let mut h = Hasher(Sha256::new());
+        h.0.update(prefix);
+        h.field(method.as_bytes());
+        h.field(path.as_bytes());
+        h
+    };
+    let fields = 16 + method.len() + path.len();
+    // Under a block nothing is saved; a long target is not kept.
+    if prefix.len() + fields < 64 || fields > HEAD_KEY {
+        return fresh();
+    }
+    let mut key = [0u8; HEAD_KEY];
+    let mut at = 0;
+    for part in [method.as_bytes(), path.as_bytes()] {
+        key[at..at + 8].copy_from_slice(&(part.len() as u64).to_be_bytes());
+        key[at + 8..at + 8 + part.len()].copy_from_slice(part);
+        at += 8 + part.len();
+    }
+    let key = &key[..at];
+    HEADS
+        .try_with(|heads| {
+            let mut heads = heads.borrow_mut();
+            if let Some(hit) = heads
+                .entries
+                .iter()
+                .find(|e| e.route_only == route_only && &e.key[..e.len] == key)
+            {
+                return Hasher(hit.state.clone());
+            }
+            let h = fresh();
+            let mut entry = Head {
+                route_only,
+                key: [0; HEAD_KEY],
+                len: key.len(),
+                state: h.0.clone(),
+            };
+            entry.key[..key.len()].copy_from_slice(key);
+            let slot = heads.next;
+            heads.next = (slot + 1) % HEADS_KEPT;
+            if slot < heads.entries.len() {
+                heads.entries[slot] = entry;
+            } else {
+                heads.entries.push(entry);
+            }
+            h
+        })
+        .unwrap_or_else(|_| fresh())
+}
+
+/// The longest method and target fields (with their length prefixes) [`head`] keeps.
+const HEAD_KEY: usize = 128;
+/// Routes per thread: replaced in turn, so routes with ids in the path cost a copy, not a
+/// growing table.
+const HEADS_KEPT: usize = 4;
+
+struct Head {
+    route_only: bool,
+    key: [u8; HEAD_KEY],
+    len: usize,
+    state: Sha256,
+}
+
+#[derive(Default)]
+struct Heads {
+    entries: Vec<Head>,
+    next: usize,
+}
+
+thread_local! {
+    static HEADS: std::cell::RefCell<Heads> = std::cell::RefCell::new(Heads::default());
 }
 
 /// The configured headers, each with its count of field lines.

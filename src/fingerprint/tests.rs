@@ -236,3 +236,54 @@ fn a_route_only_fingerprint_covers_method_and_target_and_never_equals_a_full_one
         assert_ne!(base, of("POST", "/hooks/a", "", body, &full));
     }
 }
+
+#[test]
+fn a_routes_remembered_head_hashes_what_a_fresh_one_does() {
+    // More routes than a thread keeps, each twice: misses, then hits and replacements.
+    let paths: Vec<String> = (0..3 * HEADS_KEPT)
+        .map(|i| format!("/v1/accounts/{i}/payments?expand=charges"))
+        .chain(["/".to_owned(), "/x".repeat(80)])
+        .collect();
+    for round in 0..2 {
+        for path in &paths {
+            for (route_only, prefix) in [
+                (false, &b"tower-idempotency fingerprint v1\0"[..]),
+                (true, b"tower-idempotency fingerprint v1 route-only\0"),
+            ] {
+                let mut want = Hasher(Sha256::new());
+                want.0.update(prefix);
+                want.field(b"POST");
+                want.field(path.as_bytes());
+                let got = head(route_only, "POST", path).0.finalize();
+                assert_eq!(got, want.0.finalize(), "round {round}, {path}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_json_fingerprint_keeps_its_value() {
+    // Stores keep fingerprints: a release that changed one would refuse every retry of a
+    // request recorded before it.
+    let (parts, ()) = http::Request::post("/v1/payments")
+        .header("content-type", "application/json")
+        .body(())
+        .unwrap()
+        .into_parts();
+    let body = br#"{"currency": "eur", "amount": 1999}"#;
+    let mut want = Hasher(Sha256::new());
+    want.0.update(b"tower-idempotency fingerprint v1\0");
+    want.field(b"POST");
+    want.field(b"/v1/payments");
+    let mut media = b"m".to_vec();
+    framing::frame(&mut media, b"application/json");
+    want.field(&media);
+    want.field(b"");
+    want.field(b"jcs");
+    want.field(br#"{"amount":1999,"currency":"eur"}"#);
+    let want = Fingerprint::from_bytes(want.0.finalize().into());
+    for _ in 0..2 {
+        let got = fingerprint(&parts, &parts.uri, body, &Fingerprinting::default());
+        assert_eq!(got, want);
+    }
+}

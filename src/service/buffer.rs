@@ -19,8 +19,9 @@ pub(super) enum BodyError {
 }
 
 /// Reads a request body into one buffer, sized from `Content-Length` (already checked
-/// against `limit`). Each frame is copied and dropped at once: a body sent in many small
-/// frames must not pin a read buffer per frame until the end.
+/// against `limit`). A body that comes whole in one frame is kept as it is, with no copy;
+/// otherwise each frame is copied and dropped at once: a body sent in many small frames must
+/// not pin a read buffer per frame until the end.
 pub(super) async fn buffer_body<B>(
     body: B,
     limit: usize,
@@ -31,17 +32,41 @@ where
     B::Error: Into<BoxError>,
 {
     let mut body = std::pin::pin!(body);
-    let mut buf = BytesMut::with_capacity(declared.min(limit));
+    let mut first: Option<Bytes> = None;
+    let mut buf = BytesMut::new();
     while let Some(frame) = body.as_mut().frame().await {
         let frame = frame.map_err(|e| BodyError::Failed(e.into()))?;
         if let Ok(data) = frame.into_data() {
-            if data.len() > limit - buf.len() {
+            if data.is_empty() {
+                continue;
+            }
+            let held = first.as_ref().map_or(0, Bytes::len) + buf.len();
+            if data.len() > limit - held {
                 return Err(BodyError::TooLarge);
             }
-            buf.extend_from_slice(&data);
+            match first.take() {
+                // All there is (its declared length, or the body says it ended): kept as
+                // it is. Anything else is copied at once.
+                None if buf.is_empty() && (data.len() == declared || body.is_end_stream()) => {
+                    first = Some(data)
+                }
+                held => {
+                    if buf.capacity() == 0 {
+                        buf.reserve(
+                            declared
+                                .min(limit)
+                                .max(held.as_ref().map_or(0, Bytes::len) + data.len()),
+                        );
+                    }
+                    if let Some(h) = held {
+                        buf.extend_from_slice(&h);
+                    }
+                    buf.extend_from_slice(&data);
+                }
+            }
         }
     }
-    Ok(buf.freeze())
+    Ok(first.unwrap_or_else(|| buf.freeze()))
 }
 
 pub(super) fn content_length(headers: &HeaderMap) -> Option<u64> {

@@ -52,6 +52,21 @@ pub(super) async fn within<F: Future>(
     tokio::time::timeout_at(until, future).await
 }
 
+/// [`within`] for a span rather than a deadline: the clock is read only when the future is
+/// not ready at its first poll. A span too long to add to the clock waits forever, as
+/// `tokio::time::timeout` does.
+pub(crate) async fn within_for<F: Future>(
+    d: Duration,
+    future: F,
+) -> Result<F::Output, tokio::time::error::Elapsed> {
+    let mut future = std::pin::pin!(future);
+    if let Poll::Ready(out) = std::future::poll_fn(|cx| Poll::Ready(future.as_mut().poll(cx))).await
+    {
+        return Ok(out);
+    }
+    tokio::time::timeout(d, future).await
+}
+
 /// The holder's view of its lease. Every instant is taken when a call was *sent*, so the
 /// local estimate of the lease's end is never later than the store's own.
 pub(super) struct Lease {

@@ -1,5 +1,6 @@
 //! The response future, and the work a dropped response future leaves on a task of its own.
 
+use std::cell::Cell;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
@@ -12,40 +13,64 @@ use pin_project_lite::pin_project;
 use super::Answer;
 use crate::body::ResponseBody;
 
-/// The work of a won claim, polled inline by the response future. Dropped unfinished (the
-/// answer is out and settling goes on, or the response future itself was dropped), it goes
-/// on running on a task of its own.
-pub(super) struct Detachable {
-    future: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
+thread_local! {
+    /// Set by the flow being polled, within the poll that won its claim: see [`commit`].
+    static COMMITTED: Cell<bool> = const { Cell::new(false) };
 }
 
-impl Detachable {
-    pub(super) fn new(future: impl Future<Output = ()> + Send + 'static) -> Self {
-        Self {
-            future: Some(Box::pin(future)),
-        }
-    }
+/// Says, from inside the flow's poll, that its claim is won: from then on the flow must run
+/// to its end, so a dropped response future (client gone, a deadline) hands it to a task of
+/// its own instead of cancelling the work halfway. Before it, dropping cancels, as it should
+/// (a claim in flight is released by `PendingClaim`). A flag read around each poll rather than
+/// a second boxed future or a channel per request; each poll saves and restores the flag of
+/// any flow that polls it (nested layers).
+pub(super) fn commit() {
+    COMMITTED.with(|c| c.set(true));
+}
 
-    /// Polls the work, unless it has finished.
-    pub(super) fn poll_inline(&mut self, cx: &mut Context<'_>) {
-        if let Some(future) = &mut self.future {
-            if future.as_mut().poll(cx).is_ready() {
-                self.future = None;
-            }
+/// A keyed request's flow, and whether it has won its claim.
+pub(super) struct Flow<B: Body, E> {
+    future: Option<BoxFlow<B, E>>,
+    committed: bool,
+    /// Spawns the rest of a committed flow: made where the output's `Send + 'static` is known.
+    detach: fn(BoxFlow<B, E>),
+}
+
+impl<B: Body, E> Flow<B, E> {
+    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Answer<B, E>> {
+        let future = self.future.as_mut().expect("polled after completion");
+        let outer = COMMITTED.with(|c| c.replace(false));
+        let out = future.as_mut().poll(cx);
+        if COMMITTED.with(|c| c.replace(outer)) {
+            self.committed = true;
         }
+        if out.is_ready() {
+            self.future = None;
+        }
+        out
     }
 }
 
-impl Drop for Detachable {
+impl<B: Body, E> Drop for Flow<B, E> {
     fn drop(&mut self) {
-        if let Some(future) = self.future.take() {
-            match tokio::runtime::Handle::try_current() {
-                Ok(runtime) => drop(runtime.spawn(future)),
-                // No runtime (it is shutting down): the work goes with it, as a spawned task
-                // would; the claim lapses with its lease.
-                Err(_) => tracing::warn!("no tokio runtime to finish an idempotent request on; its claim lapses with its lease"),
-            }
+        if let Some(future) = self.future.take().filter(|_| self.committed) {
+            (self.detach)(future);
         }
+    }
+}
+
+/// Runs a committed flow to its end on a task; its answer has no one left to take it.
+pub(super) fn detach<B: Body, E>(future: BoxFlow<B, E>)
+where
+    Answer<B, E>: Send + 'static,
+{
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => drop(runtime.spawn(future)),
+        // No runtime (it is shutting down): the work goes with it, as a spawned task
+        // would; the claim lapses with its lease.
+        Err(_) => tracing::warn!(
+            "no tokio runtime to finish an idempotent request on; its claim lapses with its lease"
+        ),
     }
 }
 
@@ -64,7 +89,7 @@ pin_project! {
     enum Kind<F, B: Body, E> {
         Passthrough { #[pin] future: F },
         Ready { response: Option<Response<ResponseBody<B>>> },
-        Flow { future: BoxFlow<B, E> },
+        Flow { flow: Flow<B, E> },
     }
 }
 
@@ -83,9 +108,15 @@ impl<F, B: Body, E> ResponseFuture<F, B, E> {
         }
     }
 
-    pub(super) fn flow(future: BoxFlow<B, E>) -> Self {
+    pub(super) fn flow(future: BoxFlow<B, E>, detach: fn(BoxFlow<B, E>)) -> Self {
         Self {
-            kind: Kind::Flow { future },
+            kind: Kind::Flow {
+                flow: Flow {
+                    future: Some(future),
+                    committed: false,
+                    detach,
+                },
+            },
         }
     }
 }
@@ -118,7 +149,7 @@ where
             KindProj::Ready { response } => {
                 Poll::Ready(Ok(response.take().expect("polled after completion")))
             }
-            KindProj::Flow { future } => future.as_mut().poll(cx),
+            KindProj::Flow { flow } => flow.poll(cx),
         }
     }
 }

@@ -6,9 +6,7 @@
 
 use std::any::Any;
 use std::fmt;
-use std::future::Future;
 use std::panic::AssertUnwindSafe;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -43,8 +41,8 @@ mod wait;
 
 use buffer::{buffer_body, content_length, BodyError, Work};
 use claim::PendingClaim;
+pub(crate) use deadline::within_for;
 use deadline::{deadline, within, Lease};
-use future::Detachable;
 pub use future::ResponseFuture;
 pub(crate) use wait::Waiters;
 
@@ -182,7 +180,10 @@ where
             grpc,
             labels,
         };
-        ResponseFuture::flow(Box::pin(flow.run(inner, req, key)))
+        ResponseFuture::flow(
+            Box::pin(flow.run(inner, req, key)),
+            future::detach::<ResB, S::Error>,
+        )
     }
 }
 
@@ -222,7 +223,8 @@ fn render<B: Body>(cfg: &Config, grpc: bool, err: IdempotencyError) -> Response<
 }
 
 type Answer<B, E> = Result<Response<ResponseBody<B>>, E>;
-/// What the detached task hands back to the response future: an answer, or a panic to resume.
+/// What the claimed work ends with: an answer, or the handler's panic, resumed once the claim
+/// is settled.
 type Delivery<B, E> = Result<Answer<B, E>, Panic>;
 
 /// Displays an error with its whole source chain: "a: b: c".
@@ -311,8 +313,7 @@ impl Flow {
             return Ok(self.error(too_large()));
         }
         let read = buffer_body(body, limit, declared.unwrap_or(0) as usize);
-        let body_deadline = deadline(Instant::now(), self.cfg.request_body_timeout);
-        let bytes = match within(body_deadline, read).await {
+        let bytes = match within_for(self.cfg.request_body_timeout, read).await {
             Ok(Ok(bytes)) => bytes,
             Ok(Err(BodyError::TooLarge)) => {
                 self.labels.outcome(Outcome::BodyTooLarge);
@@ -356,7 +357,7 @@ impl Flow {
         #[cfg(not(feature = "axum"))]
         let target = &parts.uri;
         let fp = fingerprint(&parts, target, &bytes, &self.cfg.fingerprint);
-        let scope_id = ScopeId::new(scope.as_deref());
+        let scope_id = ScopeId::cached(scope.as_deref());
         let id = RecordId::in_scope(&scope_id, scope.as_deref(), &key);
         let span = tracing::info_span!(
             "idempotency",
@@ -373,42 +374,41 @@ impl Flow {
             id,
             fp,
         };
-        // 6. Claim, inline: a replay or a conflict costs no task. A response future dropped
-        // mid-claim leaves the claim to `PendingClaim`, which releases it if it was won.
-        let (claim, sent) = match keyed.claim(&parts.headers).instrument(span.clone()).await {
-            Step::Answer(res) => return Ok(res),
-            Step::FailOpen => {
-                let mut inner = inner;
-                let req = Request::from_parts(parts, RequestBody::buffered(bytes));
-                return inner.call(req).await.map(|r| r.map(ResponseBody::stream));
+        // One span over steps 6-9: one wrapper for the rest of the flow to be moved into.
+        async move {
+            // 6. Claim, inline: a replay or a conflict costs no task. A response future
+            // dropped mid-claim leaves the claim to `PendingClaim`, which releases it if it
+            // was won.
+            let (claim, sent) = match keyed.claim(&parts.headers).await {
+                Step::Answer(res) => return Ok(res),
+                Step::FailOpen => {
+                    let mut inner = inner;
+                    let req = Request::from_parts(parts, RequestBody::buffered(bytes));
+                    return inner.call(req).await.map(|r| r.map(ResponseBody::stream));
+                }
+                Step::Claimed(claim, sent) => {
+                    future::commit();
+                    (claim, sent)
+                }
+            };
+            // 7-9 run here, inline, until the answer is out; what is left then (settling a
+            // released claim, a streamed answer's end) goes on a task of its own, and so
+            // does this whole flow when its response future is dropped (client gone, a
+            // deadline): nothing can cancel the work between the claim and the record
+            // (`future::commit`). Inline saves a spawn and a cross-thread wake per request.
+            let lease = Lease::new(sent, &keyed.flow.cfg.timing);
+            let (delivery, token, after) = keyed.execute(inner, parts, bytes, claim, &lease).await;
+            if let Some(after) = after {
+                let span = tracing::Span::current();
+                keyed.spawn_after(after, token, lease, span).await;
             }
-            Step::Claimed(claim, sent) => (claim, sent),
-        };
-        // 7-9 run here, inline, until the answer is out; what is left then (settling a
-        // released claim, a streamed answer's end) or when this future is dropped (client
-        // gone, a deadline) moves onto a task of its own: nothing can cancel the work between
-        // the claim and the record. Inline saves a spawn and a cross-thread wake per request.
-        let (tx, mut rx) = tokio::sync::oneshot::channel();
-        let mut work = Detachable::new(
-            async move {
-                let lease = Lease::new(sent, &keyed.flow.cfg.timing);
-                keyed.execute(inner, parts, bytes, claim, lease, tx).await;
+            match delivery {
+                Ok(answer) => answer,
+                Err(panic) => std::panic::resume_unwind(panic),
             }
-            .instrument(span),
-        );
-        // Work that ended has sent or dropped `tx`, so `rx` is ready then.
-        let delivered = std::future::poll_fn(|cx| {
-            work.poll_inline(cx);
-            Pin::new(&mut rx).poll(cx)
-        })
-        .await;
-        drop(work);
-        match delivered {
-            Ok(Ok(answer)) => answer,
-            Ok(Err(panic)) => std::panic::resume_unwind(panic),
-            // The task itself panicked outside the inner call: a bug in this crate.
-            Err(_) => panic!("tower-idempotency: the request task ended without an answer"),
         }
+        .instrument(span)
+        .await
     }
 }
 
@@ -444,6 +444,21 @@ enum Settlement {
     AlreadyRecorded,
 }
 
+/// What is left of a claim once its answer is out.
+enum After {
+    /// The release before the answer failed or timed out: retried while the lease lives.
+    Release,
+    /// The handler said it recorded the answer itself: checked, and said if it did not.
+    CheckRecorded,
+    /// The answer streams past `max_response_body`: decided and settled when it ends.
+    Stream {
+        status: http::StatusCode,
+        head: HeaderMap,
+        extension: Option<RecordDecision>,
+        end: tokio::sync::oneshot::Receiver<StreamEnd>,
+    },
+}
+
 impl Settlement {
     /// The settlement `decision` calls for; `record` makes the answer to keep.
     fn of(decision: RecordDecision, record: impl FnOnce() -> Completion) -> Self {
@@ -462,10 +477,8 @@ fn outcome(name: Outcome) {
 impl Keyed {
     /// Adds the published TTL to a recorded answer or a replay, when configured.
     fn publish_ttl(&self, headers: &mut HeaderMap) {
-        let cfg = &*self.flow.cfg;
-        if cfg.ttl_header {
-            let secs = cfg.timing.ttl().as_secs();
-            headers.insert(response::TTL_HEADER, http::HeaderValue::from(secs));
+        if let Some(ttl) = &self.flow.cfg.ttl_value {
+            headers.insert(response::TTL_HEADER, ttl.clone());
         }
     }
 
@@ -598,8 +611,9 @@ impl Keyed {
         }
     }
 
-    /// Steps 7 to 9: run the inner service once, renewing the lease; settle; answer through
-    /// `tx` as soon as the answer is known (a released answer does not wait for its release).
+    /// Steps 7 to 9: run the inner service once, renewing the lease; settle; the answer as
+    /// soon as it is known (a released answer does not wait for its release), with the claim's
+    /// token and what is left to do after it.
     async fn execute<S, ReqB, ResB>(
         &self,
         mut inner: S,
@@ -612,9 +626,9 @@ impl Keyed {
             recovery_point,
             ..
         }: Claim,
-        lease: Lease,
-        tx: tokio::sync::oneshot::Sender<Delivery<ResB, S::Error>>,
-    ) where
+        lease: &Lease,
+    ) -> (Delivery<ResB, S::Error>, Token, Option<After>)
+    where
         S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
         ResB: Body<Data = Bytes>,
     {
@@ -664,22 +678,89 @@ impl Keyed {
         let result = tokio::select! {
             biased;
             r = work => r,
-            never = self.renew(&token, &lease) => match never {},
+            never = self.renew(&token, lease) => match never {},
         };
-        let (token, lease) = (&token, &lease);
-        match result {
+        let (delivery, after) = match result {
             Err(panic) => {
-                let send = || drop(tx.send(Err(panic)));
-                self.finish(Settlement::Release, token, lease, send).await;
+                let (_, after) = self.finish(Settlement::Release, &token, lease).await;
+                (Err(panic), after)
             }
             Ok(Err(e)) => {
-                let send = || drop(tx.send(Ok(Err(e))));
-                self.finish(Settlement::Release, token, lease, send).await;
+                let (_, after) = self.finish(Settlement::Release, &token, lease).await;
+                (Ok(Err(e)), after)
             }
             Ok(Ok(work)) => {
-                self.settle(work, request_headers.as_deref(), token, lease, tx)
+                self.settle(work, request_headers.as_deref(), &token, lease)
                     .await
             }
+        };
+        (delivery, token, after)
+    }
+
+    /// Runs what is left after the answer on a task of its own (where there is no runtime,
+    /// it is shutting down: here, before the answer).
+    async fn spawn_after(self, after: After, token: Token, lease: Lease, span: tracing::Span) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return self.after(after, &token, &lease).instrument(span).await;
+        };
+        drop(
+            runtime.spawn(async move { self.after(after, &token, &lease).await }.instrument(span)),
+        );
+    }
+
+    /// What is left once the answer is out: a release to retry, a handler's record to check,
+    /// or a streamed answer to settle when its stream ends.
+    async fn after(&self, after: After, token: &Token, lease: &Lease) {
+        let (status, head, extension, end) = match after {
+            After::Release => return self.release(token, lease).await,
+            After::CheckRecorded => return self.check_recorded_by_handler(token).await,
+            After::Stream {
+                status,
+                head,
+                extension,
+                end,
+            } => (status, head, extension, end),
+        };
+        // The client reads the stream; the claim stays renewed until it ends.
+        let ended = tokio::select! {
+            biased;
+            ended = end => ended,
+            never = self.renew(token, lease) => match never {},
+        };
+        let (how, go) = match ended {
+            Ok(StreamEnd { how, go }) => (Ok(how), Some(go)),
+            Err(gone) => (Err(gone), None),
+        };
+        let decision = match how {
+            Ok(Ended::Ended(trailers)) => {
+                let info = ResponseInfo::new(status, &head, trailers.as_ref());
+                match self.decide(extension, &info) {
+                    Ok(d) => d,
+                    Err(panic) => {
+                        tracing::error!(
+                            panic = panic_message(&*panic),
+                            "the record policy panicked after the response streamed; released"
+                        );
+                        RecordDecision::Release
+                    }
+                }
+            }
+            Ok(Ended::Failed) => RecordDecision::Release,
+            // The client dropped the stream before its end: the status is unknown
+            // and the work ran, so it must not run again.
+            Err(_) => RecordDecision::Record,
+        };
+        // Over max_response_body: only its status is kept.
+        let settlement = Settlement::of(decision, || Completion::Tombstone { status });
+        let (_, rest) = self.finish(settlement, token, lease).await;
+        // The body holds its last frame until this: settled first, then answered.
+        if let Some(go) = go {
+            let _ = go.send(());
+        }
+        match rest {
+            Some(After::Release) => self.release(token, lease).await,
+            Some(After::CheckRecorded) => self.check_recorded_by_handler(token).await,
+            Some(After::Stream { .. }) | None => {}
         }
     }
 
@@ -690,8 +771,8 @@ impl Keyed {
         request_headers: Option<&HeaderMap>,
         token: &Token,
         lease: &Lease,
-        tx: tokio::sync::oneshot::Sender<Delivery<ResB, E>>,
-    ) where
+    ) -> (Delivery<ResB, E>, Option<After>)
+    where
         ResB: Body<Data = Bytes>,
     {
         let cfg = &*self.flow.cfg;
@@ -711,44 +792,14 @@ impl Keyed {
                 extension,
                 end,
             } => {
-                let status = response.status();
-                let head = response.headers().clone();
-                let _ = tx.send(Ok(Ok(response)));
-                // The client reads the stream; the claim stays renewed until it ends.
-                let ended = tokio::select! {
-                    biased;
-                    ended = end => ended,
-                    never = self.renew(token, lease) => match never {},
+                // Settled when the stream ends, after the answer.
+                let after = After::Stream {
+                    status: response.status(),
+                    head: response.headers().clone(),
+                    extension,
+                    end,
                 };
-                let (how, go) = match ended {
-                    Ok(StreamEnd { how, go }) => (Ok(how), Some(go)),
-                    Err(gone) => (Err(gone), None),
-                };
-                let decision = match how {
-                    Ok(Ended::Ended(trailers)) => {
-                        let info = ResponseInfo::new(status, &head, trailers.as_ref());
-                        match self.decide(extension, &info) {
-                            Ok(d) => d,
-                            Err(panic) => {
-                                tracing::error!(panic = panic_message(&*panic), "the record policy panicked after the response streamed; released");
-                                RecordDecision::Release
-                            }
-                        }
-                    }
-                    Ok(Ended::Failed) => RecordDecision::Release,
-                    // The client dropped the stream before its end: the status is unknown
-                    // and the work ran, so it must not run again.
-                    Err(_) => RecordDecision::Record,
-                };
-                // Over max_response_body: only its status is kept.
-                let settlement = Settlement::of(decision, || Completion::Tombstone { status });
-                // The body holds its last frame until this: settled first, then answered.
-                let send = || {
-                    if let Some(go) = go {
-                        let _ = go.send(());
-                    }
-                };
-                return self.finish(settlement, token, lease, send).await;
+                return (Ok(Ok(response)), Some(after));
             }
             Work::Buffered {
                 parts,
@@ -759,16 +810,18 @@ impl Keyed {
                 let decision = match self.decide(parts.extensions.get().copied(), &info) {
                     Ok(d) => d,
                     Err(panic) => {
-                        let send = || drop(tx.send(Err(panic)));
-                        return self.finish(Settlement::Release, token, lease, send).await;
+                        let (_, after) = self.finish(Settlement::Release, token, lease).await;
+                        return (Err(panic), after);
                     }
                 };
+                let mut parts = parts;
                 let settlement = Settlement::of(decision, || {
-                    let completion = crate::recording::completion(
+                    // The headers may move into the record, and come back once it is stored.
+                    let completion = crate::recording::completion_taking(
                         cfg,
                         request_headers,
                         parts.status,
-                        &parts.headers,
+                        &mut parts.headers,
                         data.clone(),
                         trailers.as_ref(),
                     );
@@ -777,16 +830,20 @@ impl Keyed {
                     }
                     completion
                 });
-                let mut parts = parts;
-                if let Settlement::Record(Completion::Response(_)) = settlement {
-                    self.publish_ttl(&mut parts.headers);
+                let (recorded, after) = self.finish(settlement, token, lease).await;
+                if let Some(completion) = recorded {
+                    let replayable = matches!(completion, Completion::Response(_));
+                    crate::recording::give_back(&mut parts.headers, completion);
+                    if replayable {
+                        self.publish_ttl(&mut parts.headers);
+                    }
                 }
                 let res = Response::from_parts(parts, ResponseBody::full(data, trailers));
-                (settlement, res)
+                return (Ok(Ok(res)), after);
             }
         };
-        self.finish(settlement, token, lease, || drop(tx.send(Ok(Ok(res)))))
-            .await;
+        let (_, after) = self.finish(settlement, token, lease).await;
+        (Ok(Ok(res)), after)
     }
 
     /// The record decision; a panicking user policy is caught so the claim can be released
@@ -800,17 +857,17 @@ impl Keyed {
         std::panic::catch_unwind(AssertUnwindSafe(|| decide(&*cfg.policy, extension, info)))
     }
 
-    /// 8-9. Records or releases, and answers through `send`: a recorded answer after its
-    /// record (retried while the lease lives), a released one after one release attempt under
-    /// the store deadline, so a retry sent at once finds the key free. Only a release that
-    /// failed or timed out goes on, after the answer, while the lease lives.
+    /// Step 8, before the answer: records or releases. A recorded answer after its record
+    /// (retried while the lease lives), a released one after one release attempt under the
+    /// store deadline, so a retry sent at once finds the key free. Gives back the completion
+    /// it recorded, and what is left after the answer: only a release that failed or timed
+    /// out goes on, while the lease lives.
     async fn finish(
         &self,
         settlement: Settlement,
         token: &Token,
         lease: &Lease,
-        send: impl FnOnce(),
-    ) {
+    ) -> (Option<Completion>, Option<After>) {
         match settlement {
             Settlement::Record(completion) => {
                 self.outcome(match completion {
@@ -818,20 +875,16 @@ impl Keyed {
                     Completion::Tombstone { .. } => Outcome::Tombstoned,
                 });
                 self.complete(token, &completion, lease).await;
-                send();
+                (Some(completion), None)
             }
             Settlement::Release => {
                 self.outcome(Outcome::Released);
                 let first = self.release_once(token, lease.timeout).await;
-                send();
-                if first.is_err() {
-                    self.release(token, lease).await;
-                }
+                (None, first.is_err().then_some(After::Release))
             }
             Settlement::AlreadyRecorded => {
                 self.outcome(Outcome::Executed);
-                send();
-                self.check_recorded_by_handler(token).await;
+                (None, Some(After::CheckRecorded))
             }
         }
     }
