@@ -1,4 +1,6 @@
-"""Redis time per store operation, the hash-based store (commit 5ee8daf) against this one.
+"""Redis time per store operation: the hash-based store (commit 5ee8daf), the script protocol
+(claim.lua pipelined with a GET, as of commit 3ba9ee8) and the plain protocol this store sends
+on Redis 7 without quotas (the claim one `SET … NX PX … GET` with a `PTTL`).
 
 Run from the repository, against a PRIVATE Redis (it resets INFO commandstats):
 
@@ -8,15 +10,20 @@ Run from the repository, against a PRIVATE Redis (it resets INFO commandstats):
 
 Sends over a raw socket the exact commands each version of the store sends: N claims of new
 keys, N completes (an answer of the body plus 60 bytes of status and headers), N replays, N
-claims of records in progress (conflict). Prints Redis's microseconds per operation: the sum
-over the commands the store sends (EVALSHA, GET), which includes what the scripts ran inside.
-Not a wall-clock figure, so other load on the machine moves it far less than throughput.
+claims of records in progress (conflict), and for the plain protocol N takeovers of lapsed
+leases (its plain claim, then the script). Prints Redis's microseconds per operation: the sum
+over the commands the store sends (EVALSHA, GET, SET, PTTL), which includes what the scripts
+ran inside. Not a wall-clock figure, so other load on the machine moves it far less than
+throughput. ROUNDS (the fifth argument, default 3) repeats every version in turn; the
+figure printed last is each one's median.
 """
 import subprocess
 import os, socket, sys, time
 
 PORT = int(sys.argv[1]); N = int(sys.argv[2]); BODY = int(sys.argv[3]) if len(sys.argv) > 3 else 70
-NEW = sys.argv[4] if len(sys.argv) > 4 else 'src/store/redis/lua'
+NEW = 'src/store/redis/lua'
+SCRIPT_REV = sys.argv[4] if len(sys.argv) > 4 else '3ba9ee8'
+ROUNDS = int(sys.argv[5]) if len(sys.argv) > 5 else 3
 
 def enc(*args):
     out = [b'*%d\r\n' % len(args)]
@@ -58,47 +65,87 @@ def stats(c):
             out[name] = (int(f['calls']), int(f['usec']))
     return out
 
-def cost(c, label, run, n):
+RESULTS = {}
+
+def cost(c, label, run, n, sent):
+    """Runs `run`, then prints and keeps Redis's usec per op over the `sent` commands."""
     c.one('CONFIG', 'RESETSTAT')
     run()
     st = stats(c)
-    usec = sum(st.get(k, (0, 0))[1] for k in ('evalsha', 'get'))
+    usec = sum(st.get(k, (0, 0))[1] for k in sent)
     detail = ', '.join('%s %d calls %.2f us' % (k, v[0], v[1] / v[0]) for k, v in sorted(st.items()) if k not in ('config|resetstat', 'info'))
-    print('%-28s %6.2f us per op   [%s]' % (label, usec / n, detail))
+    print('%-32s %6.2f us per op   [%s]' % (label, usec / n, detail))
+    RESULTS.setdefault(label, []).append(usec / n)
+    return usec / n
 
 import re
 old_src = subprocess.run(['git', 'show', '5ee8daf:src/store/redis.rs'], capture_output=True, check=True, text=True).stdout
 def const(name):
     return re.search(r'const ' + name + r': &str = r"\n(.*?)\n";', old_src, re.S).group(1) + '\n'
+def at_rev(path):
+    return subprocess.run(['git', 'show', '%s:%s' % (SCRIPT_REV, path)], capture_output=True, check=True, text=True).stdout
 c = Conn()
 old = {k: c.one('SCRIPT', 'LOAD', v).decode() for k, v in {
     'claim': const('PRELUDE') + const('CLAIM'),
     'complete': const('PRELUDE') + const('FENCE') + const('COMPLETE')}.items()}
+script = {k: c.one('SCRIPT', 'LOAD', at_rev('src/store/redis/lua/%s.lua' % k)).decode() for k in ('claim', 'complete')}
 new = {k: c.one('SCRIPT', 'LOAD', open(os.path.join(NEW, k + '.lua')).read()).decode() for k in ('claim', 'complete')}
 answer = os.urandom(BODY + 60)  # an encoded completion: status, two headers, the body
 tag = '%d-%d' % (os.getpid(), time.time_ns())
 fp = b'F' * 32
+LEASE, KEEP = 30000, 86400000
+GAP = b'k%015d' % (KEEP - LEASE)
+ID = 'ab' * 32
 
 def batches(cmds, size=500):
     out = []
     for i in range(0, len(cmds), size): out += c.many(cmds[i:i+size])
     return out
 
-for version in ('old', 'new'):
-    keys = ['ops:%s:%s:{%064d}' % (tag, version, i) for i in range(N)]
+def header(n):
+    return b'2p' + fp + n + b'0000000000000001'
+
+def run(version, rnd):
+    keys = ['ops:%s:%s:%d:{%064d}' % (tag, version, rnd, i) for i in range(N)]
     nonces = [os.urandom(8).hex().encode() for _ in range(N)]
-    if version == 'old':
-        claim = lambda k, n: [enc('EVALSHA', old['claim'], 1, k, fp, n, 30000, 86400000, '1')]
-        def complete(k, n): return [enc('EVALSHA', old['complete'], 1, k, '1', n, answer, 86400000)]
+    if version == 'hash':
+        claim = lambda k, n: [enc('EVALSHA', old['claim'], 1, k, fp, n, LEASE, KEEP, '1')]
+        complete = lambda k, n: [enc('EVALSHA', old['complete'], 1, k, '1', n, answer, KEEP)]
+        sent = ('evalsha', 'get')
+    elif version == 'script':
+        claim = lambda k, n: [enc('EVALSHA', script['claim'], 1, k, header(n), LEASE, KEEP), enc('GET', k)]
+        complete = lambda k, n: [enc('EVALSHA', script['complete'], 1, k, n + b'0000000000000001', answer, KEEP, ID)]
+        sent = ('evalsha', 'get')
     else:
-        claim = lambda k, n: [enc('EVALSHA', new['claim'], 1, k, b'2p' + fp + n + b'0000000000000001', 30000, 86400000), enc('GET', k)]
-        def complete(k, n):
-            return [enc('EVALSHA', new['complete'], 1, k, n + b'0000000000000001', answer, 86400000, 'ops:')]
-    cost(c, version + ' claim, new key', lambda: batches([x for k, n in zip(keys, nonces) for x in claim(k, n)]), N)
-    cost(c, version + ' complete', lambda: batches([x for k, n in zip(keys, nonces) for x in complete(k, n)]), N)
+        # The plain protocol: the record, its lease a gap before the key's expiry.
+        claim = lambda k, n: [enc('SET', k, header(n) + GAP, 'NX', 'PX', KEEP, 'GET'), enc('PTTL', k)]
+        complete = lambda k, n: [enc('EVALSHA', new['complete'], 1, k, n + b'0000000000000001', answer, KEEP, ID)]
+        sent = ('set', 'pttl')
+    label = lambda what: '%s %s' % (version, what)
+    total = cost(c, label('claim, new key'), lambda: batches([x for k, n in zip(keys, nonces) for x in claim(k, n)]), N, sent)
+    total += cost(c, label('complete'), lambda: batches([x for k, n in zip(keys, nonces) for x in complete(k, n)]), N, ('evalsha',))
+    RESULTS.setdefault(label('new key (claim + complete)'), []).append(total)
     other = os.urandom(8).hex().encode()
-    cost(c, version + ' claim, replay', lambda: batches([x for k in keys for x in claim(k, other)]), N)
-    busy = ['ops:%s:%s:busy:{%064d}' % (tag, version, i) for i in range(N)]
+    cost(c, label('claim, replay'), lambda: batches([x for k in keys for x in claim(k, other)]), N, sent)
+    busy = ['ops:%s:%s:%d:busy:{%064d}' % (tag, version, rnd, i) for i in range(N)]
     batches([x for k in busy for x in claim(k, b'x' * 16)])
-    cost(c, version + ' claim, conflict', lambda: batches([x for k in busy for x in claim(k, other)]), N)
+    cost(c, label('claim, conflict'), lambda: batches([x for k in busy for x in claim(k, other)]), N, sent)
+    if version == 'plain':
+        # Lapse every lease (an expiry closer than the gap), then take over as the store
+        # does: its plain claim reads the lapsed record, the script (with a GET) takes over.
+        batches([enc('PEXPIRE', k, KEEP - LEASE - 1000) for k in busy])
+        again = os.urandom(8).hex().encode()
+        t = cost(c, label('takeover: plain claim'), lambda: batches([x for k in busy for x in claim(k, again)]), N, sent)
+        t += cost(c, label('takeover: script'), lambda: batches([x for k in busy for x in (
+            enc('EVALSHA', new['claim'], 1, k, header(again), LEASE, KEEP), enc('GET', k))]), N, ('evalsha', 'get'))
+        RESULTS.setdefault(label('takeover (both)'), []).append(t)
     batches([enc('DEL', k) for k in keys + busy])
+
+for rnd in range(ROUNDS):
+    for version in ('hash', 'script', 'plain'):
+        run(version, rnd)
+    print()
+
+print('median of %d rounds, Redis usec per operation (N=%d, body %d bytes):' % (ROUNDS, N, BODY))
+for label, xs in RESULTS.items():
+    print('  %-40s %6.2f' % (label, sorted(xs)[len(xs) // 2]))

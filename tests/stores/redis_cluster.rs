@@ -75,6 +75,64 @@ async fn records_spread_over_the_primaries() {
     }
 }
 
+/// On a cluster the plain claim (`SET … NX GET` and `PTTL`, one key) goes to the key's slot
+/// like a script: a live lease is a conflict, a lapsed one is taken over by the script at
+/// generation 2, and the old token is fenced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plain_claims_conflict_and_lapsed_leases_are_taken_over_on_the_cluster() {
+    let Some(store) = cluster_store().await else {
+        return;
+    };
+    let cluster = cluster().unwrap();
+    let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(600));
+    let claim = |id: &RecordId| {
+        let store = store.clone();
+        let id = *id;
+        async move {
+            store
+                .claim(&ClaimRequest::new(&id, &fp(1), lease, ttl))
+                .await
+                .unwrap()
+        }
+    };
+    for i in 0..6 {
+        let id = unique_id(&format!("cluster-plain-{i}"));
+        let first = match claim(&id).await {
+            ClaimOutcome::Claimed(c) => c,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(first.token.generation(), 1);
+        assert!(matches!(
+            claim(&id).await,
+            ClaimOutcome::Existing(r) if matches!(r.state, RecordState::InProgress { lease_remaining } if lease_remaining > lease / 2)
+        ));
+        // An expiry closer than the record's gap (ttl - lease) is a lapsed lease.
+        let gap = (ttl - lease).as_millis() - 1000;
+        let key = store.key(&id);
+        let set = cluster.nodes()[0].cli(&["-c", "pexpire", &key, &gap.to_string()]);
+        assert_eq!(set.trim(), "1", "{set}");
+        let second = match claim(&id).await {
+            ClaimOutcome::Claimed(c) => c,
+            other => panic!("{other:?}"),
+        };
+        assert!(second.takeover);
+        assert_eq!(second.token.generation(), 2);
+        let fenced = store
+            .complete(&id, &first.token, &response(200, "late"), ttl)
+            .await
+            .unwrap_err();
+        assert_eq!(fenced.kind(), StoreErrorKind::Fenced);
+        store
+            .complete(&id, &second.token, &response(201, "second"), ttl)
+            .await
+            .unwrap();
+        assert!(matches!(
+            claim(&id).await,
+            ClaimOutcome::Existing(r) if r.state == RecordState::Completed(response(201, "second"))
+        ));
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn flushed_scripts_are_reloaded_on_the_cluster() {
     let Some(store) = cluster_store().await else {

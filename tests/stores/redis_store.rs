@@ -131,21 +131,15 @@ async fn records_are_one_string_per_key_with_a_ttl_under_the_prefix() {
         .query_async(&mut con)
         .await
         .unwrap();
-    // Format, state, fingerprint, nonce, generation, lease deadline (Redis ms): 82 bytes.
+    // Format, state, fingerprint, nonce, generation, lease field: 82 bytes.
     assert_eq!(value.len(), 82);
     assert_eq!(&value[..2], b"2p");
     assert_eq!(&value[2..34], fp(1).as_bytes());
     assert_eq!(&value[34..50], token.nonce());
     assert_eq!(&value[50..66], b"0000000000000001");
-    let deadline: u64 = std::str::from_utf8(&value[66..82])
-        .unwrap()
-        .parse()
-        .unwrap();
-    let (secs, _): (u64, u64) = redis::cmd("TIME").query_async(&mut con).await.unwrap();
-    assert!(
-        deadline > secs * 1000 && deadline <= (secs + 31) * 1000,
-        "the lease deadline is Redis's time plus the lease: {deadline}"
-    );
+    // The lease ends TTL - LEASE before the key expires, by Redis's clock.
+    let gap = format!("k{:015}", (TTL - LEASE).as_millis());
+    assert_eq!(std::str::from_utf8(&value[66..82]).unwrap(), gap);
     let pttl: i64 = redis::cmd("PTTL")
         .arg(&key)
         .query_async(&mut con)
@@ -370,6 +364,18 @@ async fn full_redis_refuses_new_claims_and_still_replays_old_records() {
     }
     let got = store.get(&old).await.unwrap().unwrap();
     assert_eq!(got.state, RecordState::Completed(response(201, "kept")));
+    // A record in progress is a conflict, its lease read by the script Redis still runs.
+    match store
+        .claim(&ClaimRequest::new(&pending, &fp(1), LEASE, TTL))
+        .await
+        .unwrap()
+    {
+        ClaimOutcome::Existing(r) => assert!(
+            matches!(r.state, RecordState::InProgress { lease_remaining } if lease_remaining > LEASE / 2),
+            "{r:?}"
+        ),
+        other => panic!("conflict on a full Redis: {other:?}"),
+    }
 
     // A completion is a write too; a release frees memory and still works.
     let err = store
@@ -538,22 +544,6 @@ async fn command_calls(con: &mut redis::aio::MultiplexedConnection) -> Vec<(Stri
         .collect()
 }
 
-/// Commands the store sent since the last `CONFIG RESETSTAT`, not counting the ones the
-/// scripts ran inside Redis (which `commandstats` counts too) nor this test's own. The
-/// scripts never call `GET` (they read with `GETRANGE`), so every `GET` is the store's.
-async fn sent_by_store(con: &mut redis::aio::MultiplexedConnection) -> u64 {
-    let calls = command_calls(con).await;
-    let inside_scripts = [
-        "time", "getrange", "set", "setrange", "append", "pttl", "pexpire", "del",
-    ];
-    let ours = ["config|resetstat", "info"];
-    calls
-        .iter()
-        .filter(|(n, _)| !inside_scripts.contains(&n.as_str()) && !ours.contains(&n.as_str()))
-        .map(|(_, c)| c)
-        .sum::<u64>()
-}
-
 /// Round trips since the last `CONFIG RESETSTAT`: the reads Redis made from its clients
 /// (a pipeline arrives in one), less the one that carried this `INFO`.
 async fn round_trips(con: &mut redis::aio::MultiplexedConnection) -> u64 {
@@ -578,8 +568,24 @@ async fn reset_stats(con: &mut redis::aio::MultiplexedConnection) {
         .unwrap();
 }
 
-/// A claim is its script and a `GET` of the record, pipelined: one round trip, and the
-/// answer never passes through Lua. A complete is one script call.
+/// Commands since the last `CONFIG RESETSTAT`, those Redis ran inside scripts included,
+/// less this test's own.
+async fn commands(con: &mut redis::aio::MultiplexedConnection) -> Vec<(String, u64)> {
+    let mut calls = command_calls(con).await;
+    calls.retain(|(n, _)| n != "config|resetstat" && n != "info");
+    calls.sort();
+    calls
+}
+
+fn calls(list: &[(&str, u64)]) -> Vec<(String, u64)> {
+    let mut v: Vec<(String, u64)> = list.iter().map(|(n, c)| (n.to_string(), *c)).collect();
+    v.sort();
+    v
+}
+
+/// Without quotas, on Redis 7, a claim is one plain `SET … NX PX … GET` and a `PTTL`,
+/// pipelined: one round trip, no script. A complete is one script call of two commands. Only
+/// a takeover runs the claim script, in a second round trip.
 #[tokio::test]
 async fn new_requests_cost_two_round_trips_replays_and_conflicts_one() {
     let Some(server) = RedisServer::start(&[]) else {
@@ -587,22 +593,28 @@ async fn new_requests_cost_two_round_trips_replays_and_conflicts_one() {
     };
     let store = RedisStore::connect(&server.url()).await.unwrap();
     let mut con = admin(&server).await;
-    let measure = |con: &mut redis::aio::MultiplexedConnection| {
-        let mut con = con.clone();
-        async move { (round_trips(&mut con).await, sent_by_store(&mut con).await) }
-    };
 
     reset_stats(&mut con).await;
     let id = unique_id("trips");
     let token = claim_token(&store, &id).await;
+    assert_eq!(
+        token.generation(),
+        1,
+        "an absent key is claimed at generation 1"
+    );
     store
         .complete(&id, &token, &response(201, "once"), TTL)
         .await
         .unwrap();
     assert_eq!(
-        measure(&mut con).await,
-        (2, 3),
-        "new request: claim (EVALSHA + GET) and complete (EVALSHA)"
+        round_trips(&mut con).await,
+        2,
+        "new request: claim and complete"
+    );
+    assert_eq!(
+        commands(&mut con).await,
+        calls(&[("set", 2), ("pttl", 1), ("evalsha", 1), ("getrange", 1)]),
+        "claim: SET and PTTL; complete: EVALSHA running GETRANGE and SET"
     );
 
     reset_stats(&mut con).await;
@@ -614,10 +626,11 @@ async fn new_requests_cost_two_round_trips_replays_and_conflicts_one() {
         ClaimOutcome::Existing(r) => assert!(matches!(r.state, RecordState::Completed(_))),
         other => panic!("{other:?}"),
     }
+    assert_eq!(round_trips(&mut con).await, 1, "replay: one round trip");
     assert_eq!(
-        measure(&mut con).await,
-        (1, 2),
-        "replay: one claim pipeline"
+        commands(&mut con).await,
+        calls(&[("set", 1), ("pttl", 1)]),
+        "replay: the claim's SET answers the record"
     );
 
     let busy = unique_id("busy");
@@ -631,16 +644,328 @@ async fn new_requests_cost_two_round_trips_replays_and_conflicts_one() {
         ClaimOutcome::Existing(r) => assert!(matches!(r.state, RecordState::InProgress { .. })),
         other => panic!("{other:?}"),
     }
+    assert_eq!(round_trips(&mut con).await, 1, "conflict: one round trip");
+    assert_eq!(commands(&mut con).await, calls(&[("set", 1), ("pttl", 1)]));
+
+    // A lapsed lease: the plain claim reads it, the script takes over.
+    lapse(&mut con, &store.key(&busy)).await;
+    reset_stats(&mut con).await;
+    let took = store
+        .claim(&ClaimRequest::new(&busy, &fp(1), LEASE, TTL))
+        .await
+        .unwrap();
+    assert!(
+        matches!(&took, ClaimOutcome::Claimed(c) if c.takeover),
+        "{took:?}"
+    );
     assert_eq!(
-        measure(&mut con).await,
-        (1, 2),
-        "conflict: one claim pipeline"
+        round_trips(&mut con).await,
+        2,
+        "takeover: the plain claim, then the script"
+    );
+    let sent = commands(&mut con).await;
+    assert!(
+        sent.contains(&("evalsha".to_owned(), 1)) && sent.contains(&("get".to_owned(), 1)),
+        "{sent:?}"
     );
 
     reset_stats(&mut con).await;
     assert!(store.get(&id).await.unwrap().is_some());
-    // GET and TIME, pipelined; TIME is not counted above (scripts call it too).
-    assert_eq!(measure(&mut con).await, (1, 1), "get: one pipeline");
+    assert_eq!(round_trips(&mut con).await, 1, "get: one pipeline");
+    assert_eq!(
+        commands(&mut con).await,
+        calls(&[("get", 1), ("time", 1), ("pttl", 1)])
+    );
+}
+
+/// Ends the lease of the record in progress at `key` now, by Redis's clock and without
+/// waiting: its lease field is a gap before the key's expiry (`TTL - LEASE` for a claim
+/// with this suite's figures), so an expiry closer than that gap means a lapsed lease.
+async fn lapse(con: &mut redis::aio::MultiplexedConnection, key: &str) {
+    let gap = (TTL - LEASE).as_millis() as u64;
+    let () = redis::cmd("PEXPIRE")
+        .arg(key)
+        .arg(gap - 1000)
+        .query_async(con)
+        .await
+        .unwrap();
+}
+
+/// The lease is read off the key's expiry, so a key an operator made persistent says nothing
+/// about it: held, never taken over (a second holder would run the request twice).
+#[tokio::test]
+async fn a_record_without_expiry_is_held_never_taken_over() {
+    let Some(url) = common::backend_url("IDEMPOTENCY_TEST_REDIS_URL") else {
+        return;
+    };
+    let store = RedisStore::connect(&url).await.unwrap();
+    let mut con = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let id = unique_id("persist");
+    let first = claim_token(&store, &id).await;
+    let persisted: i64 = redis::cmd("PERSIST")
+        .arg(store.key(&id))
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert_eq!(persisted, 1);
+    for _ in 0..2 {
+        match store
+            .claim(&ClaimRequest::new(&id, &fp(1), LEASE, TTL))
+            .await
+            .unwrap()
+        {
+            ClaimOutcome::Existing(r) => {
+                assert!(matches!(r.state, RecordState::InProgress { .. }), "{r:?}")
+            }
+            other => panic!("a key without expiry is held: {other:?}"),
+        }
+    }
+    // The holder still holds it, and finishes.
+    store
+        .complete(&id, &first, &response(201, "once"), TTL)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("DEL")
+        .arg(store.key(&id))
+        .query_async(&mut con)
+        .await
+        .unwrap();
+}
+
+/// The lease is read from the record's gap and the key's TTL: a live lease is a conflict
+/// with the time left, a lapsed one a takeover through the script, at generation 2, and the
+/// old token is fenced out of `complete`, `extend` and `release` from then on.
+#[tokio::test]
+async fn a_plain_claim_conflicts_while_leased_and_a_lapsed_lease_is_taken_over_and_fenced() {
+    let Some(url) = common::backend_url("IDEMPOTENCY_TEST_REDIS_URL") else {
+        return;
+    };
+    let store = RedisStore::connect(&url).await.unwrap();
+    let mut con = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let id = unique_id("lapse");
+    let first = claim_token(&store, &id).await;
+    match store
+        .claim(&ClaimRequest::new(&id, &fp(1), LEASE, TTL))
+        .await
+        .unwrap()
+    {
+        ClaimOutcome::Existing(r) => match r.state {
+            RecordState::InProgress { lease_remaining } => assert!(
+                lease_remaining > LEASE - Duration::from_secs(5) && lease_remaining <= LEASE,
+                "{lease_remaining:?}"
+            ),
+            other @ RecordState::Completed(_) => panic!("{other:?}"),
+        },
+        other => panic!("a live lease is a conflict: {other:?}"),
+    }
+
+    lapse(&mut con, &store.key(&id)).await;
+    // Another request under the same key never takes over: it sees the lapsed lease.
+    match store
+        .claim(&ClaimRequest::new(&id, &fp(2), LEASE, TTL))
+        .await
+        .unwrap()
+    {
+        ClaimOutcome::Existing(r) => assert_eq!(
+            r.state,
+            RecordState::InProgress {
+                lease_remaining: Duration::ZERO
+            }
+        ),
+        other => panic!("{other:?}"),
+    }
+    let second = match store
+        .claim(&ClaimRequest::new(&id, &fp(1), LEASE, TTL))
+        .await
+        .unwrap()
+    {
+        ClaimOutcome::Claimed(c) => c,
+        other => panic!("a lapsed lease is taken over: {other:?}"),
+    };
+    assert!(second.takeover);
+    assert_eq!(second.token.generation(), 2);
+    assert!(second
+        .lapsed_for
+        .is_some_and(|l| l >= Duration::from_millis(900)));
+
+    let late = response(200, "late");
+    let fenced = |r: Result<(), tower_idempotency::store::StoreError>| {
+        assert_eq!(r.unwrap_err().kind(), StoreErrorKind::Fenced)
+    };
+    fenced(store.complete(&id, &first, &late, TTL).await);
+    fenced(store.extend(&id, &first, LEASE).await);
+    fenced(store.release(&id, &first).await);
+
+    // The takeover wrote the lease as a gap too: a claim now conflicts with about a lease left.
+    match store
+        .claim(&ClaimRequest::new(&id, &fp(1), LEASE, TTL))
+        .await
+        .unwrap()
+    {
+        ClaimOutcome::Existing(r) => match r.state {
+            RecordState::InProgress { lease_remaining } => assert!(
+                lease_remaining > LEASE - Duration::from_secs(5),
+                "{lease_remaining:?}"
+            ),
+            other @ RecordState::Completed(_) => panic!("{other:?}"),
+        },
+        other => panic!("{other:?}"),
+    }
+    store
+        .complete(&id, &second.token, &response(201, "second"), TTL)
+        .await
+        .unwrap();
+    match store
+        .claim(&ClaimRequest::new(&id, &fp(1), LEASE, TTL))
+        .await
+        .unwrap()
+    {
+        ClaimOutcome::Existing(r) => {
+            assert_eq!(r.generation, 2);
+            assert_eq!(r.state, RecordState::Completed(response(201, "second")));
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+/// A record in progress as earlier versions wrote it (its lease field a deadline by Redis's
+/// `TIME`, 16 digits) still reads: a live lease is a conflict with the time left, a lapsed one
+/// is taken over. And the scripts keep a record in the new format (a gap) readable: renewed,
+/// released after a takeover (the lease ends now), taken over again, completed.
+#[tokio::test]
+async fn records_in_either_lease_format_are_read_by_the_plain_claim_and_the_scripts() {
+    let Some(url) = common::backend_url("IDEMPOTENCY_TEST_REDIS_URL") else {
+        return;
+    };
+    let store = RedisStore::connect(&url).await.unwrap();
+    let mut con = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(&mut con).await.unwrap();
+    let now = secs * 1000 + micros / 1000;
+    let old_record = |nonce: u8, deadline: u64| {
+        let mut v = b"2p".to_vec();
+        v.extend_from_slice(fp(1).as_bytes());
+        v.extend_from_slice(&[nonce; 16]);
+        v.extend_from_slice(b"0000000000000001");
+        v.extend_from_slice(format!("{deadline:016}").as_bytes());
+        v
+    };
+    let live = unique_id("old-live");
+    let lapsed = unique_id("old-lapsed");
+    for (id, deadline) in [(&live, now + 20_000), (&lapsed, now - 2_000)] {
+        let () = redis::cmd("SET")
+            .arg(store.key(id))
+            .arg(old_record(7, deadline))
+            .arg("PX")
+            .arg(TTL.as_millis() as u64)
+            .query_async(&mut con)
+            .await
+            .unwrap();
+    }
+    match store
+        .claim(&ClaimRequest::new(&live, &fp(1), LEASE, TTL))
+        .await
+        .unwrap()
+    {
+        ClaimOutcome::Existing(r) => match r.state {
+            RecordState::InProgress { lease_remaining } => assert!(
+                lease_remaining > Duration::from_secs(15)
+                    && lease_remaining <= Duration::from_secs(20),
+                "{lease_remaining:?}"
+            ),
+            other @ RecordState::Completed(_) => panic!("{other:?}"),
+        },
+        other => panic!("an old record's live lease is a conflict: {other:?}"),
+    }
+    let got = store.get(&live).await.unwrap().unwrap();
+    assert!(
+        matches!(got.state, RecordState::InProgress { lease_remaining } if lease_remaining > Duration::from_secs(15))
+    );
+    let took = match store
+        .claim(&ClaimRequest::new(&lapsed, &fp(1), LEASE, TTL))
+        .await
+        .unwrap()
+    {
+        ClaimOutcome::Claimed(c) => c,
+        other => panic!("an old record's lapsed lease is taken over: {other:?}"),
+    };
+    assert_eq!(took.token.generation(), 2);
+    assert!(took.lapsed_for.is_some_and(|l| l >= Duration::from_secs(1)));
+    // Old token (nonce 7, generation 1) fenced.
+    let old = Token::from_parts(1, [7; 16]);
+    assert_eq!(
+        store.release(&lapsed, &old).await.unwrap_err().kind(),
+        StoreErrorKind::Fenced
+    );
+
+    // The takeover wrote a gap. Renew it (extend.lua rewrites the gap), then release it:
+    // a takeover's release keeps the record with its lease ended now.
+    let key = store.key(&lapsed);
+    let field = |con: &mut redis::aio::MultiplexedConnection| {
+        let mut con = con.clone();
+        let key = key.clone();
+        async move {
+            let v: Vec<u8> = redis::cmd("GETRANGE")
+                .arg(&key)
+                .arg(66)
+                .arg(81)
+                .query_async(&mut con)
+                .await
+                .unwrap();
+            String::from_utf8(v).unwrap()
+        }
+    };
+    assert!(
+        field(&mut con).await.starts_with('k'),
+        "a takeover writes a gap"
+    );
+    store.extend(&lapsed, &took.token, LEASE).await.unwrap();
+    assert!(
+        field(&mut con).await.starts_with('k'),
+        "a renewal writes a gap"
+    );
+    match store.get(&lapsed).await.unwrap().unwrap().state {
+        RecordState::InProgress { lease_remaining } => {
+            assert!(
+                lease_remaining > LEASE - Duration::from_secs(5),
+                "{lease_remaining:?}"
+            )
+        }
+        other @ RecordState::Completed(_) => panic!("{other:?}"),
+    }
+    store.release(&lapsed, &took.token).await.unwrap();
+    assert!(
+        field(&mut con).await.starts_with('k'),
+        "a release writes a gap"
+    );
+    let third = match store
+        .claim(&ClaimRequest::new(&lapsed, &fp(1), LEASE, TTL))
+        .await
+        .unwrap()
+    {
+        ClaimOutcome::Claimed(c) => c,
+        other => panic!("a released takeover is taken over at once: {other:?}"),
+    };
+    assert_eq!(third.token.generation(), 3);
+    store
+        .complete(&lapsed, &third.token, &response(201, "third"), TTL)
+        .await
+        .unwrap();
+    match store.get(&lapsed).await.unwrap().unwrap().state {
+        RecordState::Completed(c) => assert_eq!(c, response(201, "third")),
+        other @ RecordState::InProgress { .. } => panic!("{other:?}"),
+    }
 }
 
 /// Pauses every client of `server` for `pause`; returns once the pause is in force.

@@ -49,13 +49,13 @@ impl IdempotencyAdmin for RedisStore {
         let Some(value) = record::value_bytes(value)? else {
             return Ok(None);
         };
-        let found = record::decode(value, record::time_ms(&time)?)?;
-        // PTTL is -1 for a key without expiry, which the store never writes.
-        let pttl = match pttl {
-            Value::Int(n) => u64::try_from(n).unwrap_or(0),
-            _ => 0,
+        let clock = record::Clock {
+            now_ms: Some(record::time_ms(&time)?),
+            pttl_ms: record::Clock::pttl(&pttl),
         };
-        let expires_in = Duration::from_millis(pttl);
+        let found = record::decode(value, clock)?;
+        // PTTL is -1 for a key without expiry, which the store never writes.
+        let expires_in = Duration::from_millis(clock.pttl_ms.unwrap_or(0));
         Ok(Some(RecordInfo::new(&found.record, expires_in)))
     }
 

@@ -28,22 +28,34 @@
 //!
 //! Every point of the [store contract](super) holds on one node and on a cluster:
 //!
-//! - **Atomic claims.** Each write is one Lua script, so it runs alone on the node that holds
-//!   the record. A claim creates the record or says what is there in the same call.
+//! - **Atomic claims.** Each write is one command or one Lua script, so it runs alone on the
+//!   node that holds the record. A claim creates the record or says what is there in the
+//!   same call: without quotas, on Redis 7, it is one plain `SET <record> NX PX <keep> GET`
+//!   (it writes only where there is no record, and answers the one there), with a `PTTL`;
+//!   the claim script runs only to take over a lapsed lease, with quotas, on a full Redis
+//!   and before Redis 7.
 //! - **One round trip per operation.** A new request costs 2 (claim, complete); a replay and a
-//!   conflict cost 1: the claim script is pipelined with a `GET` of the record, so the answer
-//!   comes back in the same round trip without passing through Lua (a script that returned a
-//!   1 MiB answer would hold Redis, and every other client, for milliseconds). `get` is 1
-//!   (`GET` and `TIME`, pipelined, no script). With [`with_wait`] a claim that wins costs one
-//!   more (a renewal and `WAIT`, pipelined); a complete sends its `WAIT` in the same pipeline.
+//!   conflict cost 1, and the answer comes back without passing through Lua (a script that
+//!   returned a 1 MiB answer would hold Redis, and every other client, for milliseconds):
+//!   the plain claim's `SET` answers it, and the claim script is pipelined with a `GET`. A
+//!   takeover costs 2 (the plain claim reads the lapsed lease, then the script). `get` is 1
+//!   (`GET`, `TIME` and `PTTL`, pipelined, no script). With [`with_wait`] a claim that wins
+//!   costs one more (a renewal and `WAIT`, pipelined); a complete sends its `WAIT` in the
+//!   same pipeline.
 //! - **Fencing.** `complete`, `extend` and `release` check the token's generation **and** nonce;
 //!   a stale token writes nothing and fails with [`StoreErrorKind::Fenced`].
 //! - **A key keeps its history.** `release` deletes a first claim's record, but keeps a
 //!   takeover's: its lease ends now and its nonce becomes one no claim holds (release.lua), so
 //!   the next claim of the same request takes over with the generation plus one.
-//! - **Redis's clock.** Lease deadlines come from `TIME` inside the scripts (or pipelined
-//!   after a `GET`), and expiry from `PX` and `PEXPIRE`. The application's clock is never read, so clock skew between app servers does
-//!   not matter.
+//! - **Redis's clock.** A record stores when its lease ends as a gap before the key's
+//!   expiry (`PX` and `PEXPIRE`), so the lease left is the key's `PTTL` less the gap, and a
+//!   claim the client writes needs no clock at all (see the
+//!   [record format](#key-layout-and-record-format)). The application's clock is never
+//!   read, so clock skew between app servers does not matter. The lease rides on the key's
+//!   expiry, so never change the TTL of the store's keys by hand (`EXPIRE`, `PERSIST`):
+//!   shortening one ends its lease early, and a retry could take the key over while the
+//!   first attempt still runs. A key left without expiry is held (409) until an operator
+//!   releases it ([`IdempotencyAdmin::force_release`](crate::store::IdempotencyAdmin)).
 //! - **Every key expires.** A record lives `max(ttl, lease)` from its claim, at least `lease`
 //!   from each takeover or renewal, and `ttl` from its completion.
 //! - **Unknown outcomes are read back.** The claim's nonce is made here, not in Redis, and sent
@@ -74,9 +86,10 @@
 //!
 //! A full `noeviction` Redis refuses writes. A claim of a new key then fails with
 //! [`StoreErrorKind::Full`] and writes nothing (the layer answers 503 without running the inner
-//! service), while completed records still replay: the claim script reads before it writes
-//! (Redis refuses only a script's first write, not the script), and the record comes from the
-//! `GET` pipelined after it. A takeover, `complete` and `extend` are writes and fail with `Full`
+//! service), while completed records still replay: Redis refuses the plain claim's `SET`
+//! whether or not the key exists, so the store sends the claim script, which reads before it
+//! writes (Redis refuses only a script's first write, not the script), and the record comes
+//! from the `GET` pipelined after it. A replay then costs 2 round trips. A takeover, `complete` and `extend` are writes and fail with `Full`
 //! too; `release` of a first claim (a `DEL`) and `get` keep working. The release of a
 //! takeover keeps the record (see the [store contract](super)), rewriting its lease in place,
 //! and a full Redis refuses that write too: the key is then taken over once the lease lapses.
@@ -139,8 +152,11 @@
 //! also loaded on every node when the store is built. `WAIT` goes to the primary of the
 //! record's slot.
 //!
-//! The cluster client itself resends a command whose connection dropped. Every script is safe
-//! to resend: a claim is idempotent for its nonce and fingerprint, a `complete` that had landed
+//! The plain claim names one key, so it goes to that key's slot like a script.
+//!
+//! The cluster client itself resends a command whose connection dropped. Every call is safe
+//! to resend: a claim is idempotent for its nonce and fingerprint (a plain claim's `SET`
+//! sent again answers the record it wrote, which holds its nonce), a `complete` that had landed
 //! answers `Ok` the second time, and so does a `release` that had deleted or kept the record.
 //!
 //! # Per-scope quotas
@@ -184,8 +200,10 @@
 //!
 //! Redis 6.0 or later (the scripts read `TIME` before they write, which needs effects
 //! replication, the default since 5; saving a recovery point keeps the key's expiry with
-//! `SET … KEEPTTL`, new in 6.0); tested with Redis 7.0, single node and cluster. TLS comes
-//! with the `redis-tls` feature.
+//! `SET … KEEPTTL`, new in 6.0); tested with Redis 7.0, single node and cluster. The plain
+//! claim needs `SET` with both `NX` and `GET`, new in 7.0: setup reads every node's
+//! `redis_version` (`INFO server`) once, and without 7.0 everywhere (or should a node later
+//! refuse the syntax) claims go through the script. TLS comes with the `redis-tls` feature.
 //!
 //! # Key layout and record format
 //!
@@ -194,10 +212,18 @@
 //! per-scope quotas the braces hold only the first 8 hex characters (the scope's tag, see
 //! [per-scope quotas](#per-scope-quotas)): `<prefix>{<8 hex>}<56 hex>`. The prefix must not
 //! contain braces. The value is an 82-byte header (format, state, fingerprint, nonce,
-//! generation, lease deadline, at fixed offsets, so the scripts read and rewrite fields with
+//! generation, lease, at fixed offsets, so the scripts read and rewrite fields with
 //! `GETRANGE` and `SETRANGE` and never copy the answer) followed, once completed, by the
 //! answer as [`Completion::encode`] bytes. Records in the earlier format (one hash each) read
 //! as [`StoreErrorKind::Corrupt`]: see the changelog.
+//!
+//! The lease field is `k` and the 15-digit gap between the lease's end and the key's expiry.
+//! Earlier versions wrote (and read) a 16-digit deadline by `TIME` instead; this version reads
+//! both, so during a rolling upgrade every record an earlier instance wrote is served. An
+//! earlier instance meeting a record in progress that this version wrote fails closed: its
+//! claim script stops with a Lua error (the layer answers 503, where this version would answer
+//! 409 or take over) and its reads say [`StoreErrorKind::Corrupt`]; it never runs a request
+//! twice. Completed records read the same in both.
 //!
 //! A record in progress that saved a [recovery point](crate::RecoveryPoint) has state `r`
 //! and the point after its header; `complete` and `release` drop it. `<prefix>recoverable`
@@ -224,6 +250,7 @@ mod setup;
 
 use std::fmt;
 use std::num::NonZeroU32;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -241,7 +268,7 @@ use super::{Claim, ClaimOutcome, ClaimRequest, IdempotencyStore, StoreError, Sto
 use crate::record::{Completion, Fingerprint, Record, RecordId, RecordState, ScopeId, Token};
 use crate::recovery::RecoveryPoint;
 use error::{corrupt, fenced, shortfall, unknown, BadReply, Failure};
-use record::Found;
+use record::{Clock, Found};
 use scripts::{Lua, Scripts};
 use setup::Dedicated;
 
@@ -275,6 +302,9 @@ struct Inner {
     timeout: Duration,
     scripts: Scripts,
     quotas: Quotas,
+    /// Claims go as one plain `SET … NX PX … GET` (see [`plain_claim`]): no quota, and every
+    /// node runs Redis 7 or later (read at setup; cleared should a node refuse the syntax).
+    plain_claims: AtomicBool,
 }
 
 /// The keys a script on one record is given: the record's, then, with quotas, its scope
@@ -350,23 +380,28 @@ impl RedisStore {
     /// The Redis key of `id`: `<prefix>{<hex id>}`, or with per-scope quotas
     /// `<prefix>{<first 8 hex>}<other 56 hex>` (see [key layout](self#key-layout-and-record-format)).
     pub fn key(&self, id: &RecordId) -> String {
+        self.key_of_hex(&id.to_hex())
+    }
+
+    fn key_of_hex(&self, hex: &str) -> String {
         if self.inner.quotas.any() {
-            grouped_key(&self.inner.prefix, id)
+            grouped_key(&self.inner.prefix, hex)
         } else {
-            record_key(&self.inner.prefix, id)
+            record_key(&self.inner.prefix, hex)
         }
     }
 
-    /// The keys scripts on `id` touch.
+    /// The keys scripts on `id` touch. The id is put in hex once.
     fn keys(&self, id: &RecordId) -> Keys {
+        let hex = id.to_hex();
         let group = self.inner.quotas.any().then(|| {
-            let (prefix, tag) = (&self.inner.prefix, scope_tag(id));
+            let (prefix, tag) = (&self.inner.prefix, &hex[..2 * RecordId::SCOPE_PREFIX]);
             [format!("{prefix}{{{tag}}}s"), format!("{prefix}{{{tag}}}b")]
         });
         Keys {
-            record: self.key(id),
+            record: self.key_of_hex(&hex),
             group,
-            id: id.to_hex(),
+            id: hex,
         }
     }
 
@@ -395,15 +430,7 @@ impl RedisStore {
             }
             Ok::<_, Failure>(replies)
         };
-        let replies = match tokio::time::timeout(self.inner.timeout, call).await {
-            Ok(r) => r?,
-            Err(elapsed) => {
-                if link.follows_sentinel() {
-                    link.suspect(epoch);
-                }
-                return Err(Failure::Uncertain(Box::new(elapsed)));
-            }
-        };
+        let replies = self.bounded(epoch, call).await?;
         self.acknowledge_unless_failover(holds)?;
         // A refusal by a node that is no longer the primary is certain: its error stands.
         // Otherwise a connection found suspect while this call ran may have been redialled
@@ -415,6 +442,27 @@ impl RedisStore {
             )));
         }
         Ok(replies)
+    }
+
+    /// `call` on the connection of `epoch`, within the timeout; past it, an unknown outcome.
+    ///
+    /// The connection's own response timeout does not make this timer redundant: a
+    /// connection manager that lost its connection holds calls while it redials, with
+    /// backoff, for longer than one response timeout.
+    async fn bounded<T>(
+        &self,
+        epoch: u64,
+        call: impl std::future::Future<Output = Result<T, Failure>>,
+    ) -> Result<T, Failure> {
+        match tokio::time::timeout(self.inner.timeout, call).await {
+            Ok(r) => r,
+            Err(elapsed) => {
+                if self.inner.link.follows_sentinel() {
+                    self.inner.link.suspect(epoch);
+                }
+                Err(Failure::Uncertain(Box::new(elapsed)))
+            }
+        }
     }
 
     /// A Redis error on the connection of `epoch`, noted (a `READONLY` reply or, with
@@ -465,28 +513,28 @@ impl RedisStore {
         }
     }
 
-    /// Reads the record (`GET` and `TIME`, pipelined: no script).
+    /// Reads the record (`GET`, `TIME` and `PTTL`, pipelined: no script).
     async fn read(&self, key: &str) -> Result<Option<Found>, Failure> {
         let mut pipe = redis::pipe();
-        pipe.cmd("GET").arg(key).cmd("TIME");
+        pipe.cmd("GET").arg(key).cmd("TIME").cmd("PTTL").arg(key);
         let (epoch, conn) = self.inner.link.conn().ok_or_else(reconnecting)?;
-        let call = conn.pipeline(&pipe, key);
-        let replies = match tokio::time::timeout(self.inner.timeout, call).await {
-            Ok(r) => r.map_err(|e| self.failed(epoch, e))?,
-            Err(elapsed) => {
-                if self.inner.link.follows_sentinel() {
-                    self.inner.link.suspect(epoch);
-                }
-                return Err(Failure::Uncertain(Box::new(elapsed)));
-            }
+        let call = async {
+            conn.pipeline(&pipe, key)
+                .await
+                .map_err(|e| self.failed(epoch, e))
         };
-        let [value, time]: [Value; 2] = replies
+        let replies = self.bounded(epoch, call).await?;
+        let [value, time, pttl]: [Value; 3] = replies
             .try_into()
             .map_err(|_| corrupt("read reply count"))?;
         let Some(value) = record::value_bytes(value)? else {
             return Ok(None);
         };
-        Ok(Some(record::decode(value, record::time_ms(&time)?)?))
+        let clock = Clock {
+            now_ms: Some(record::time_ms(&time)?),
+            pttl_ms: Clock::pttl(&pttl),
+        };
+        Ok(Some(record::decode(value, clock)?))
     }
 
     /// Makes sure replicas have a claim this store just won, when `WAIT` is on. On a dedicated
@@ -665,23 +713,27 @@ fn reconnecting() -> Failure {
 }
 
 /// `<prefix>{<hex id>}`: the braces make the id the cluster hash tag, whatever the prefix.
-fn record_key(prefix: &str, id: &RecordId) -> String {
-    format!("{prefix}{{{}}}", id.to_hex())
-}
-
-/// The hash tag of a record's scope group: its id's first [`RecordId::SCOPE_PREFIX`] bytes,
-/// which are its scope id's, in hex.
-fn scope_tag(id: &RecordId) -> String {
-    let hex = id.to_hex();
-    hex[..2 * RecordId::SCOPE_PREFIX].to_owned()
+fn record_key(prefix: &str, hex: &str) -> String {
+    let mut key = String::with_capacity(prefix.len() + hex.len() + 2);
+    key.push_str(prefix);
+    key.push('{');
+    key.push_str(hex);
+    key.push('}');
+    key
 }
 
 /// `<prefix>{<scope tag>}<rest of the hex id>`: with quotas, a scope's records and its
-/// counts share one hash tag, so one script can touch them all on a cluster.
-fn grouped_key(prefix: &str, id: &RecordId) -> String {
-    let hex = id.to_hex();
+/// counts share one hash tag (the id's first [`RecordId::SCOPE_PREFIX`] bytes, which are
+/// its scope id's), so one script can touch them all on a cluster.
+fn grouped_key(prefix: &str, hex: &str) -> String {
     let (tag, rest) = hex.split_at(2 * RecordId::SCOPE_PREFIX);
-    format!("{prefix}{{{tag}}}{rest}")
+    let mut key = String::with_capacity(prefix.len() + hex.len() + 2);
+    key.push_str(prefix);
+    key.push('{');
+    key.push_str(tag);
+    key.push('}');
+    key.push_str(rest);
+    key
 }
 
 /// Milliseconds for Redis, rounded up (a lease is never shorter than asked), 1 ms at least
@@ -731,7 +783,7 @@ fn parse_claim(replies: Vec<Value>, nonce: [u8; 16]) -> Result<Option<ClaimOutco
     let Some(value) = record::value_bytes(value)? else {
         return Ok(None);
     };
-    let mut found = record::decode(value, 0)?;
+    let mut found = record::decode(value, Clock::default())?;
     match &mut found.record.state {
         RecordState::Completed(_) => {}
         // In progress: the lease left comes from the script, which read Redis's clock.
@@ -752,7 +804,7 @@ fn with_point(claim: ClaimOutcome, value: Value, nonce: [u8; 16]) -> Result<Clai
     };
     let point = match record::value_bytes(value)? {
         Some(v) => {
-            let found = record::decode(v, 0)?;
+            let found = record::decode(v, Clock::default())?;
             (found.nonce == nonce)
                 .then_some(found.record.recovery_point)
                 .flatten()
@@ -782,6 +834,10 @@ fn claimed(generation: u64, nonce: [u8; 16], lapsed_for: Option<Duration>) -> Cl
 
 impl RedisStore {
     /// Claims `id`, counted against `scope`'s quota when one is given.
+    ///
+    /// Where no quota applies and Redis takes `SET … NX GET` (7.0 and later), the claim is one
+    /// plain command (see [`plain_claim`]); the script runs only to take over a lapsed lease,
+    /// and when Redis is full (it refuses the `SET`, and the script still reads what is there).
     async fn claim_as(
         &self,
         scope: Option<&ScopeId>,
@@ -794,32 +850,42 @@ impl RedisStore {
         let key = keys.record.as_str();
         // The nonce is made here, so a claim whose reply is lost can be recognised.
         let nonce = *Token::generate(0)?.nonce();
-        let format = if scope.is_some() {
-            record::SCOPED
-        } else {
-            record::PLAIN
-        };
-        let new = record::new_record(format, fingerprint, &nonce);
-        let lease_ms = millis(lease).to_string();
-        let keep_ms = millis(ttl.max(lease)).to_string();
+        let (lease_ms, keep_ms) = (millis(lease), millis(ttl.max(lease)));
         let lua = &self.inner.scripts.claim;
-        let mut args: Vec<&[u8]> = vec![&new, lease_ms.as_bytes(), keep_ms.as_bytes()];
-        let (hex, records, bytes);
-        if keys.group.is_some() {
-            // With quotas every record lives in its scope group, counted or not ('' scope).
-            hex = scope.map(ScopeId::to_hex).unwrap_or_default();
-            records = self.inner.quotas.records.to_string();
-            bytes = self.inner.quotas.bytes.to_string();
-            args.extend([hex.as_bytes(), records.as_bytes(), bytes.as_bytes()]);
-            args.push(keys.id.as_bytes());
-        }
-        let call = lua.call(&keys.all(), args);
-        let mut pipe = redis::pipe();
-        pipe.ignore_errors().add_command(call).cmd("GET").arg(key);
+        let mut plain = (keys.group.is_none() && self.inner.plain_claims.load(Ordering::Relaxed))
+            .then(|| plain_claim(key, fingerprint, &nonce, lease_ms, keep_ms))
+            .flatten();
+        let mut script = None;
         let mut lost = None;
-        for _ in 0..3 {
-            let sent = self.send(&pipe, lua, key).await;
-            let outcome = match sent.and_then(|replies| parse_claim(replies, nonce)) {
+        // Three sends at most, plus the switch from the plain claim to the script.
+        for _ in 0..4 {
+            let parsed = if let Some(pipe) = &plain {
+                match self
+                    .send(pipe, lua, key)
+                    .await
+                    .and_then(|replies| parse_plain(replies, nonce, fingerprint))
+                {
+                    Ok(Ok(outcome)) => Ok(Some(outcome)),
+                    Ok(Err(Fallback::Script)) => {
+                        plain = None;
+                        continue;
+                    }
+                    Ok(Err(Fallback::Unsupported)) => {
+                        self.inner.plain_claims.store(false, Ordering::Relaxed);
+                        plain = None;
+                        continue;
+                    }
+                    Err(f) => Err(f),
+                }
+            } else {
+                let pipe = script.get_or_insert_with(|| {
+                    self.claim_script(&keys, scope, fingerprint, &nonce, lease_ms, keep_ms)
+                });
+                self.send(pipe, lua, key)
+                    .await
+                    .and_then(|replies| parse_claim(replies, nonce))
+            };
+            let outcome = match parsed {
                 Ok(Some(outcome)) => outcome,
                 // The record changed between the script and the GET: ask again.
                 Ok(None) => continue,
@@ -859,6 +925,136 @@ impl RedisStore {
         }
         Err(unknown(lost))
     }
+
+    /// The claim script, with a `GET` of the record pipelined after it.
+    fn claim_script(
+        &self,
+        keys: &Keys,
+        scope: Option<&ScopeId>,
+        fingerprint: &Fingerprint,
+        nonce: &[u8; 16],
+        lease_ms: u64,
+        keep_ms: u64,
+    ) -> Pipeline {
+        let format = if scope.is_some() {
+            record::SCOPED
+        } else {
+            record::PLAIN
+        };
+        let new = record::new_record(format, fingerprint, nonce);
+        let (lease_ms, keep_ms) = (lease_ms.to_string(), keep_ms.to_string());
+        let mut args: Vec<&[u8]> = vec![&new, lease_ms.as_bytes(), keep_ms.as_bytes()];
+        let (hex, records, bytes);
+        if keys.group.is_some() {
+            // With quotas every record lives in its scope group, counted or not ('' scope).
+            hex = scope.map(ScopeId::to_hex).unwrap_or_default();
+            records = self.inner.quotas.records.to_string();
+            bytes = self.inner.quotas.bytes.to_string();
+            args.extend([hex.as_bytes(), records.as_bytes(), bytes.as_bytes()]);
+            args.push(keys.id.as_bytes());
+        }
+        let call = self.inner.scripts.claim.call(&keys.all(), args);
+        let mut pipe = redis::pipe();
+        pipe.ignore_errors()
+            .add_command(call)
+            .cmd("GET")
+            .arg(&keys.record);
+        pipe
+    }
+}
+
+/// The plain claim: `SET key <record> NX PX keep GET`, then `PTTL key`, in one round trip.
+/// The `SET` writes a new record only where there is none, and answers what was there
+/// before, so one command both claims and reads. `None` for a gap too long for the record
+/// (over 31,000 years: see [`record::lease_gap`]), which the script writes as a deadline.
+///
+/// The client writes the record, so it cannot stamp a lease deadline by Redis's clock: the
+/// lease field holds `keep - lease`, the ms by which the lease ends before the key, set to
+/// expire `keep` after Redis runs the `SET`. A reader's lease left is then `PTTL - gap`, all
+/// by Redis's clock (see the [record format](record)).
+fn plain_claim(
+    key: &str,
+    fingerprint: &Fingerprint,
+    nonce: &[u8; 16],
+    lease_ms: u64,
+    keep_ms: u64,
+) -> Option<Pipeline> {
+    let gap = record::lease_gap(keep_ms - lease_ms)?;
+    let mut value = record::new_record(record::PLAIN, fingerprint, nonce);
+    value.extend_from_slice(&gap);
+    let mut pipe = redis::pipe();
+    pipe.ignore_errors()
+        .cmd("SET")
+        .arg(key)
+        .arg(value)
+        .arg("NX")
+        .arg("PX")
+        .arg(keep_ms)
+        .arg("GET")
+        .cmd("PTTL")
+        .arg(key);
+    Some(pipe)
+}
+
+/// Why a plain claim's replies decide nothing.
+enum Fallback {
+    /// Ask the claim script: a lapsed lease to take over, a full Redis, or a lease this
+    /// reply cannot tell (a record written by an earlier version, or the key gone meanwhile).
+    Script,
+    /// Redis refused the syntax (before 7.0): the script from now on.
+    Unsupported,
+}
+
+/// Decodes the plain claim's replies: the `SET`'s (the record that was there, if any), then
+/// the `PTTL`'s.
+fn parse_plain(
+    replies: Vec<Value>,
+    nonce: [u8; 16],
+    fingerprint: &Fingerprint,
+) -> Result<Result<ClaimOutcome, Fallback>, Failure> {
+    let [set, pttl]: [Value; 2] = replies
+        .try_into()
+        .map_err(|_| corrupt("claim reply count"))?;
+    let value = match set {
+        // Absent, and now ours: every fresh record starts at generation 1.
+        Value::Nil => return Ok(Ok(claimed(1, nonce, None))),
+        Value::BulkString(b) => bytes::Bytes::from(b),
+        // Full: the SET wrote nothing, and the script still reads what is there.
+        Value::ServerError(e) if e.code() == "OOM" => return Ok(Err(Fallback::Script)),
+        Value::ServerError(e)
+            if e.code() == "ERR" && e.details().is_some_and(|d| d.contains("syntax")) =>
+        {
+            return Ok(Err(Fallback::Unsupported))
+        }
+        Value::ServerError(e) => return Err(Failure::from_redis(e.into())),
+        _ => return Err(corrupt("claim reply").into()),
+    };
+    let clock = Clock {
+        now_ms: None,
+        pttl_ms: Clock::pttl(&pttl),
+    };
+    let found = record::decode(value, clock)?;
+    let RecordState::InProgress { lease_remaining } = found.record.state else {
+        return Ok(Ok(ClaimOutcome::Existing(found.record)));
+    };
+    if !found.lease_known {
+        return Ok(Err(Fallback::Script));
+    }
+    let same = found.record.fingerprint == *fingerprint;
+    if same && found.nonce == nonce {
+        // This claim, sent again after a lost reply (equal nonces alone never prove it).
+        return Ok(Ok(match claimed(found.record.generation, nonce, None) {
+            ClaimOutcome::Claimed(c) if c.takeover => {
+                ClaimOutcome::Claimed(c.with_recovery_point(found.record.recovery_point))
+            }
+            other => other,
+        }));
+    }
+    if same && lease_remaining.is_zero() {
+        // Lapsed: only the script can take over, atomically and by Redis's clock.
+        return Ok(Err(Fallback::Script));
+    }
+    Ok(Ok(ClaimOutcome::Existing(found.record)))
 }
 
 #[async_trait]
@@ -907,15 +1103,14 @@ impl IdempotencyStore for RedisStore {
         let tok = record::token_bytes(token).ok_or_else(fenced)?;
         let encoded = completion.encode();
         let ttl = millis(ttl).to_string();
-        let args: [&[u8]; 4] = [&tok, &encoded, ttl.as_bytes(), keys.id.as_bytes()];
+        // The record id only where a scope counts the record: each argument costs Redis.
+        let all: [&[u8]; 4] = [&tok, &encoded, ttl.as_bytes(), keys.id.as_bytes()];
+        let args = &all[..if keys.group.is_some() { 4 } else { 3 }];
         let lua = &self.inner.scripts.complete;
         if let (Some(dedicated), Some(wait)) = (&self.inner.dedicated, self.inner.wait) {
             let mut lost = None;
             for _ in 0..2 {
-                match self
-                    .write_and_wait(dedicated, lua, &keys, &args, wait)
-                    .await
-                {
+                match self.write_and_wait(dedicated, lua, &keys, args, wait).await {
                     Ok((Value::Int(1), acked)) => return shortfall(acked, wait.0),
                     Ok((Value::Int(2), acked)) => {
                         self.forget_recoverable(id).await;
@@ -938,7 +1133,7 @@ impl IdempotencyStore for RedisStore {
             return Err(unknown(lost));
         }
         let done = self
-            .fenced(&keys, lua, &args, |found| match found {
+            .fenced(&keys, lua, args, |found| match found {
                 Some(f) if f.held_by(token) && f.completed() => Some(Ok(())),
                 Some(f) if f.held_by(token) => None,
                 _ => Some(Err(fenced())),
@@ -1086,29 +1281,115 @@ mod tests {
     }
 
     #[test]
+    fn plain_claim_replies_decide_or_hand_over_to_the_script() {
+        let nonce = [9; 16];
+        let mine = Fingerprint::from_bytes([7; 32]);
+        let plain = |set: Value, pttl: i64| parse_plain(vec![set, Value::Int(pttl)], nonce, &mine);
+        // In progress, claimed by nonce [1; 16] with a gap of 9,000 ms before the key expires.
+        let held = |nonce: [u8; 16]| {
+            let mut v = record::new_record(record::PLAIN, &mine, &nonce);
+            v.extend_from_slice(&record::lease_gap(9_000).unwrap());
+            bulk(&v)
+        };
+        match plain(Value::Nil, -2).ok().unwrap().ok().unwrap() {
+            ClaimOutcome::Claimed(c) => {
+                assert_eq!(c.token, Token::from_parts(1, nonce));
+                assert!(!c.takeover);
+            }
+            other @ ClaimOutcome::Existing(_) => panic!("{other:?}"),
+        }
+        match plain(held([1; 16]), 10_500).ok().unwrap().ok().unwrap() {
+            ClaimOutcome::Existing(r) => assert_eq!(
+                r.state,
+                RecordState::InProgress {
+                    lease_remaining: Duration::from_millis(1500)
+                }
+            ),
+            other @ ClaimOutcome::Claimed(_) => panic!("{other:?}"),
+        }
+        // Lapsed: the script takes over; another fingerprint is told, and never takes over.
+        assert!(matches!(
+            plain(held([1; 16]), 8_000).ok().unwrap(),
+            Err(Fallback::Script)
+        ));
+        let other = parse_plain(
+            vec![held([1; 16]), Value::Int(8_000)],
+            nonce,
+            &Fingerprint::from_bytes([8; 32]),
+        );
+        assert!(matches!(other.ok().unwrap(), Ok(ClaimOutcome::Existing(_))));
+        // This claim, sent again: claimed, whatever the lease.
+        assert!(matches!(
+            plain(held(nonce), 8_000).ok().unwrap(),
+            Ok(ClaimOutcome::Claimed(c)) if c.token == Token::from_parts(1, nonce)
+        ));
+        // A deadline (an earlier version's record) needs TIME, which this reply lacks; so does
+        // a key gone between the SET and the PTTL.
+        assert!(matches!(
+            plain(stored(b'p', b""), 10_000).ok().unwrap(),
+            Err(Fallback::Script)
+        ));
+        assert!(matches!(
+            plain(held([1; 16]), -2).ok().unwrap(),
+            Err(Fallback::Script)
+        ));
+        let done = Completion::Tombstone {
+            status: http::StatusCode::CREATED,
+        };
+        assert!(matches!(
+            plain(stored(b'c', &done.encode()), 10).ok().unwrap(),
+            Ok(ClaimOutcome::Existing(r)) if r.state == RecordState::Completed(done)
+        ));
+        let error = |line: &str| redis::parse_redis_value(line.as_bytes()).unwrap();
+        let oom = error("-OOM command not allowed when used memory > 'maxmemory'.\r\n");
+        assert!(matches!(oom, Value::ServerError(_)), "{oom:?}");
+        // Full: the script reads what is there. Before 7.0: the script from now on.
+        assert!(matches!(
+            plain(oom, -2).ok().unwrap(),
+            Err(Fallback::Script)
+        ));
+        assert!(matches!(
+            plain(error("-ERR syntax error\r\n"), -2).ok().unwrap(),
+            Err(Fallback::Unsupported)
+        ));
+        let wrong = plain(error("-WRONGTYPE Operation against a key\r\n"), -2);
+        assert_eq!(
+            wrong.err().unwrap().into_error().kind(),
+            StoreErrorKind::Corrupt
+        );
+    }
+
+    #[test]
     fn keys_carry_the_record_id_as_hash_tag() {
         let id = RecordId::new(Some("t"), "k");
-        let key = record_key(DEFAULT_KEY_PREFIX, &id);
+        let key = record_key(DEFAULT_KEY_PREFIX, &id.to_hex());
         assert_eq!(key, format!("idem:{{{}}}", id.to_hex()));
         // Redis Cluster hashes what is between the first `{` and the next `}`.
         let tag = key
             .split_once('{')
             .and_then(|(_, rest)| rest.split_once('}'));
         assert_eq!(tag.map(|(t, _)| t.to_owned()), Some(id.to_hex()));
-        assert_ne!(record_key("a:", &id), record_key("b:", &id));
+        assert_ne!(
+            record_key("a:", &id.to_hex()),
+            record_key("b:", &id.to_hex())
+        );
     }
 
     #[test]
     fn grouped_keys_carry_the_scope_tag_as_hash_tag() {
         let id = RecordId::new(Some("tenant"), "k");
         let other = RecordId::new(Some("tenant"), "k2");
-        let key = grouped_key(DEFAULT_KEY_PREFIX, &id);
         let hex = id.to_hex();
+        let key = grouped_key(DEFAULT_KEY_PREFIX, &hex);
         assert_eq!(key, format!("idem:{{{}}}{}", &hex[..8], &hex[8..]));
-        let tag = scope_tag(&id);
-        assert_eq!(tag, ScopeId::new(Some("tenant")).to_hex()[..8]);
-        assert_eq!(tag, scope_tag(&other), "one tag for the scope's records");
-        assert_ne!(key, grouped_key(DEFAULT_KEY_PREFIX, &other));
+        let tag = &hex[..2 * RecordId::SCOPE_PREFIX];
+        assert_eq!(tag, &ScopeId::new(Some("tenant")).to_hex()[..8]);
+        let other = grouped_key(DEFAULT_KEY_PREFIX, &other.to_hex());
+        assert!(
+            other.starts_with(&format!("idem:{{{tag}}}")),
+            "one tag for the scope's records"
+        );
+        assert_ne!(key, other);
     }
 
     #[tokio::test]

@@ -7,7 +7,7 @@
 //! | 2..34 | fingerprint, 32 raw bytes |
 //! | 34..50 | nonce of the current claim, 16 raw bytes (a released takeover's: its released token's, see `release.lua`) |
 //! | 50..66 | generation, 16 decimal digits |
-//! | 66..82 | lease deadline, ms since the Unix epoch by Redis `TIME`, 16 decimal digits |
+//! | 66..82 | lease deadline: `k` then 15 digits, the ms between the lease's end and the key's expiry; or (written by earlier versions, and where 15 digits do not hold it) 16 digits, ms since the Unix epoch by Redis `TIME` |
 //! | 82..146 | format `3` only: the scope id, 64 lowercase hex digits |
 //! | rest | once completed: the answer, [`Completion::encode`] bytes; in state `r`: the recovery point, [`RecoveryPoint::encode`] bytes |
 //!
@@ -15,6 +15,20 @@
 //! never touching the answer; the nonce and generation sit side by side (bytes 34..66), so a
 //! token is one comparison. Digits rather than binary keep the fields readable in
 //! `redis-cli` and exact in Lua's doubles.
+//!
+//! # The lease, relative to the key's expiry
+//!
+//! A claim sets the key's expiry to `keep = max(ttl, lease)` from Redis's now, so its lease
+//! ends `keep - lease` before the key expires. The record stores that gap (`k` + 15 digits),
+//! not a deadline by some clock, and the lease left is `PTTL(key) - gap`, both by Redis's
+//! clock. That lets a claim be one plain `SET … NX PX keep GET` written by the client (it
+//! knows `keep - lease`, never Redis's time), and a reader needs only `PTTL`. Whatever moves
+//! the expiry or the lease's end of a record in progress (a takeover, a renewal, a release)
+//! rewrites the gap in the same script; saving a recovery point keeps both. 15 digits hold 31,000 years; a longer gap is written as a deadline.
+//!
+//! Earlier versions of this crate read the field as 16 digits: they fail closed on `k`
+//! (their claim script errors, their reads say [`Corrupt`](crate::store::StoreErrorKind::Corrupt)),
+//! never taking over a live lease. Completed records read the same in both.
 
 use bytes::Bytes;
 use redis::Value;
@@ -32,11 +46,67 @@ pub(super) const SCOPED: u8 = b'3';
 pub(super) const HEADER: usize = 82;
 /// Header length of a [`SCOPED`] record.
 pub(super) const SCOPED_HEADER: usize = HEADER + 64;
+/// The largest lease gap the `k` field holds (15 digits, about 31,700 years).
+///
+/// The arithmetic, all in ms by Redis's clock: a claim at `t` sets the key to expire at
+/// `t + keep` (`keep = max(ttl, lease)`, `PX keep`) and its lease to end at `t + lease`, so
+/// the gap is `keep - lease`, known before the claim is sent. At any later `now`,
+/// `PTTL = t + keep - now`, so the lease left is `PTTL - gap = t + lease - now`. A script
+/// that moves the expiry to `E` (a renewal, a takeover) or the lease's end to `L` (those,
+/// and a takeover's release: `L = now`) writes `E - L`. Both PTTL and the gap are under
+/// 2^53, exact in Lua's doubles. A gap past this (a TTL of more than 31,700 years, which
+/// `millis` allows, up to 2^50 ms) is written as a 16-digit deadline.
+pub(super) const MAX_GAP_MS: u64 = 999_999_999_999_999;
+
+/// The lease field of a record whose lease ends `gap_ms` before its key expires; `None`
+/// past [`MAX_GAP_MS`].
+pub(super) fn lease_gap(gap_ms: u64) -> Option<[u8; 16]> {
+    if gap_ms > MAX_GAP_MS {
+        return None;
+    }
+    let mut field = *b"k000000000000000";
+    let mut n = gap_ms;
+    for b in field[1..].iter_mut().rev() {
+        *b = b'0' + (n % 10) as u8;
+        n /= 10;
+    }
+    Some(field)
+}
+
+/// Redis's clock as a reader saw it, for the lease left: `TIME` (for a deadline field) and
+/// the key's `PTTL` (for a gap). A part not read is `None`.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Clock {
+    pub(super) now_ms: Option<u64>,
+    pub(super) pttl_ms: Option<u64>,
+}
+
+impl Clock {
+    /// `PTTL`'s reply: negative (no key, no expiry) is unknown.
+    pub(super) fn pttl(v: &Value) -> Option<u64> {
+        match v {
+            Value::Int(n) => u64::try_from(*n).ok(),
+            _ => None,
+        }
+    }
+}
+
+/// The lease left by `field` (bytes 66..82) and `clock`; `Ok(None)` when the clock lacks
+/// the part this field needs.
+fn lease_left(field: &[u8], clock: Clock) -> Result<Option<u64>, StoreError> {
+    if let Some(gap) = field.strip_prefix(b"k") {
+        let gap = digits(gap).ok_or_else(|| corrupt("lease gap is not digits"))?;
+        return Ok(clock.pttl_ms.map(|t| t.saturating_sub(gap)));
+    }
+    let deadline = digits(field).ok_or_else(|| corrupt("lease deadline is not digits"))?;
+    Ok(clock.now_ms.map(|now| deadline.saturating_sub(now)))
+}
 
 /// The first 66 bytes of a new record (format, state, fingerprint, nonce, generation 1); the
-/// claim script appends the lease deadline from Redis's clock.
+/// lease field follows (see [`lease_gap`]).
 pub(super) fn new_record(format: u8, fingerprint: &Fingerprint, nonce: &[u8; 16]) -> Vec<u8> {
-    let mut v = Vec::with_capacity(66);
+    // Room for the lease field the caller appends.
+    let mut v = Vec::with_capacity(HEADER);
     v.push(format);
     v.push(b'p');
     v.extend_from_slice(fingerprint.as_bytes());
@@ -63,6 +133,9 @@ pub(super) fn token_bytes(token: &Token) -> Option<Vec<u8>> {
 pub(super) struct Found {
     pub(super) record: Record,
     pub(super) nonce: [u8; 16],
+    /// `false` for a record in progress whose lease the reader's clock could not tell (its
+    /// `lease_remaining` is then zero, and means nothing).
+    pub(super) lease_known: bool,
 }
 
 impl Found {
@@ -89,9 +162,8 @@ fn digits(b: &[u8]) -> Option<u64> {
     std::str::from_utf8(b).ok()?.parse().ok()
 }
 
-/// Decodes a stored record. `now_ms` (Redis `TIME`) turns the lease deadline into the lease
-/// left.
-pub(super) fn decode(value: Bytes, now_ms: u64) -> Result<Found, StoreError> {
+/// Decodes a stored record; `clock` turns its lease field into the lease left.
+pub(super) fn decode(value: Bytes, clock: Clock) -> Result<Found, StoreError> {
     let header = match value.first() {
         Some(&PLAIN) => HEADER,
         Some(&SCOPED) => SCOPED_HEADER,
@@ -104,24 +176,23 @@ pub(super) fn decode(value: Bytes, now_ms: u64) -> Result<Found, StoreError> {
     let generation = digits(&value[50..66]).ok_or_else(|| corrupt("generation is not digits"))?;
     let nonce: [u8; 16] = value[34..50].try_into().expect("16 bytes");
     let mut point = None;
+    let mut lease_known = true;
+    let mut in_progress = || {
+        let left = lease_left(&value[66..82], clock)?;
+        lease_known = left.is_some();
+        Ok::<_, StoreError>(RecordState::InProgress {
+            lease_remaining: std::time::Duration::from_millis(left.unwrap_or(0)),
+        })
+    };
     let state = match value[1] {
-        b'p' if value.len() == header => {
-            let deadline =
-                digits(&value[66..82]).ok_or_else(|| corrupt("lease deadline is not digits"))?;
-            RecordState::InProgress {
-                lease_remaining: std::time::Duration::from_millis(deadline.saturating_sub(now_ms)),
-            }
-        }
+        b'p' if value.len() == header => in_progress()?,
         b'r' => {
-            let deadline =
-                digits(&value[66..82]).ok_or_else(|| corrupt("lease deadline is not digits"))?;
+            let state = in_progress()?;
             point =
                 Some(RecoveryPoint::decode(value.slice(header..)).map_err(|e| {
                     StoreError::with_source(crate::store::StoreErrorKind::Corrupt, e)
                 })?);
-            RecordState::InProgress {
-                lease_remaining: std::time::Duration::from_millis(deadline.saturating_sub(now_ms)),
-            }
+            state
         }
         b'c' => {
             let completion = Completion::decode(value.slice(header..))
@@ -135,6 +206,7 @@ pub(super) fn decode(value: Bytes, now_ms: u64) -> Result<Found, StoreError> {
             .with_holder(Token::from_parts(generation, nonce))
             .with_recovery_point(point),
         nonce,
+        lease_known,
     })
 }
 
@@ -170,6 +242,13 @@ mod tests {
     use http::StatusCode;
     use std::time::Duration;
 
+    fn at(now_ms: u64) -> Clock {
+        Clock {
+            now_ms: Some(now_ms),
+            pttl_ms: None,
+        }
+    }
+
     fn in_progress(deadline: u64) -> Vec<u8> {
         let mut v = new_record(PLAIN, &Fingerprint::from_bytes([7; 32]), &[9; 16]);
         v.extend_from_slice(format!("{deadline:016}").as_bytes());
@@ -180,7 +259,7 @@ mod tests {
     fn records_decode_with_their_lease_and_owner() {
         let v = in_progress(10_500);
         assert_eq!(v.len(), HEADER);
-        let found = decode(Bytes::from(v), 9_000).unwrap();
+        let found = decode(Bytes::from(v), at(9_000)).unwrap();
         assert_eq!(found.nonce, [9; 16]);
         assert_eq!(found.record.generation, 1);
         assert_eq!(found.record.fingerprint, Fingerprint::from_bytes([7; 32]));
@@ -195,7 +274,7 @@ mod tests {
         assert!(!found.released_by(&token));
         assert_eq!(token_bytes(&token).unwrap(), in_progress(0)[34..66]);
         // A lapsed lease is zero left, and another nonce is not the owner.
-        let other = decode(Bytes::from(in_progress(1)), 9_000).unwrap();
+        let other = decode(Bytes::from(in_progress(1)), at(9_000)).unwrap();
         assert!(!other.held_by(&Token::from_parts(1, [1; 16])));
         assert_eq!(
             other.record.state,
@@ -211,7 +290,7 @@ mod tests {
         let released = token.released();
         let mut v = new_record(PLAIN, &Fingerprint::from_bytes([7; 32]), released.nonce());
         v.extend_from_slice(b"0000000000009000");
-        let found = decode(Bytes::from(v), 9_000).unwrap();
+        let found = decode(Bytes::from(v), at(9_000)).unwrap();
         assert!(found.released_by(&token));
         assert!(!found.held_by(&token), "its token is fenced");
         assert!(!found.released_by(&Token::from_parts(1, [4; 16])));
@@ -225,10 +304,10 @@ mod tests {
         let mut v = in_progress(0);
         v[1] = b'c';
         v.extend_from_slice(&done.encode());
-        let found = decode(Bytes::from(v.clone()), 0).unwrap();
+        let found = decode(Bytes::from(v.clone()), at(0)).unwrap();
         assert_eq!(found.record.state, RecordState::Completed(done));
 
-        let kind = |v: Vec<u8>| decode(Bytes::from(v), 0).unwrap_err().kind();
+        let kind = |v: Vec<u8>| decode(Bytes::from(v), at(0)).unwrap_err().kind();
         let mut junk = v.clone();
         junk.truncate(HEADER);
         junk.extend_from_slice(b"\x09junk");
@@ -261,7 +340,7 @@ mod tests {
         let mut v = in_progress(10_500);
         v[1] = b'r';
         v.extend_from_slice(&point.encode());
-        let found = decode(Bytes::from(v.clone()), 10_000).unwrap();
+        let found = decode(Bytes::from(v.clone()), at(10_000)).unwrap();
         assert_eq!(found.record.recovery_point, Some(point));
         assert_eq!(
             found.record.state,
@@ -272,9 +351,51 @@ mod tests {
         // A truncated point is corrupt, not a record without one.
         v.pop();
         assert_eq!(
-            decode(Bytes::from(v), 0).unwrap_err().kind(),
+            decode(Bytes::from(v), at(0)).unwrap_err().kind(),
             crate::store::StoreErrorKind::Corrupt
         );
+    }
+
+    #[test]
+    fn a_lease_gap_is_read_against_the_keys_ttl() {
+        let mut v = new_record(PLAIN, &Fingerprint::from_bytes([7; 32]), &[9; 16]);
+        v.extend_from_slice(&lease_gap(86_370_000).unwrap());
+        assert_eq!(&v[66..], b"k000000086370000".as_slice());
+        let ttl = |pttl_ms| Clock {
+            now_ms: None,
+            pttl_ms: Some(pttl_ms),
+        };
+        // Claimed with keep 86,400 s and lease 30 s: 1.5 s of lease left at 86,371.5 s.
+        let found = decode(Bytes::from(v.clone()), ttl(86_371_500)).unwrap();
+        assert!(found.lease_known);
+        assert_eq!(
+            found.record.state,
+            RecordState::InProgress {
+                lease_remaining: Duration::from_millis(1500)
+            }
+        );
+        let lapsed = decode(Bytes::from(v.clone()), ttl(86_000_000)).unwrap();
+        assert_eq!(
+            lapsed.record.state,
+            RecordState::InProgress {
+                lease_remaining: Duration::ZERO
+            }
+        );
+        // A gap needs the TTL, a deadline needs the time: without them the lease is unknown.
+        assert!(!decode(Bytes::from(v.clone()), at(5)).unwrap().lease_known);
+        assert!(
+            !decode(Bytes::from(in_progress(9)), ttl(5))
+                .unwrap()
+                .lease_known
+        );
+        v[70] = b'x';
+        assert_eq!(
+            decode(Bytes::from(v), ttl(5)).unwrap_err().kind(),
+            crate::store::StoreErrorKind::Corrupt
+        );
+        assert_eq!(lease_gap(0).unwrap(), *b"k000000000000000");
+        assert_eq!(lease_gap(MAX_GAP_MS).unwrap(), *b"k999999999999999");
+        assert!(lease_gap(MAX_GAP_MS + 1).is_none());
     }
 
     #[test]

@@ -519,6 +519,8 @@ impl RedisStoreBuilder {
         if let (Some((wanted, _)), true) = (self.wait, self.replica_check) {
             check_replicas(&conn, wanted.get()).await?;
         }
+        // Read once: a plain claim needs `SET … NX GET` on every node.
+        let plain_claims = !self.quotas.any() && takes_nx_with_get(&conn).await;
         let codes = scripts.all().iter().map(|s| s.code).collect();
         let config = self.manager_config();
         let (link, source) = match origin {
@@ -562,6 +564,7 @@ impl RedisStoreBuilder {
                 timeout: self.timeout,
                 scripts,
                 quotas: self.quotas,
+                plain_claims: std::sync::atomic::AtomicBool::new(plain_claims),
             }),
         })
     }
@@ -598,6 +601,34 @@ async fn check_eviction_policy(conn: &RedisConnection) -> Result<(), SetupError>
         }
     }
     Ok(())
+}
+
+/// Whether every node runs Redis 7.0 or later, which takes `SET` with both `NX` and `GET`
+/// (`INFO server`). Any doubt (`INFO` refused, no version, an error) is `false`: the claim
+/// script works everywhere.
+async fn takes_nx_with_get(conn: &RedisConnection) -> bool {
+    let mut info = redis::cmd("INFO");
+    info.arg("server");
+    let Ok(replies) = conn.on_all(&info).await else {
+        return false;
+    };
+    !replies.is_empty()
+        && replies.iter().all(|(_, v)| {
+            as_string(v)
+                .and_then(|t| major_version(&t))
+                .is_some_and(|m| m >= 7)
+        })
+}
+
+/// The major version in an `INFO server` text (`redis_version:7.0.15`).
+fn major_version(info: &str) -> Option<u32> {
+    info.lines()
+        .find_map(|l| l.strip_prefix("redis_version:"))?
+        .split('.')
+        .next()?
+        .trim()
+        .parse()
+        .ok()
 }
 
 /// With `WAIT n`, every primary must have `n` replicas connected, or each winning claim
@@ -845,6 +876,14 @@ mod tests {
         let info = bulk(b"# Memory\r\nused_memory:1\r\nmaxmemory_policy:volatile-lru\r\n");
         assert_eq!(policy_from_info(&info).as_deref(), Some("volatile-lru"));
         assert_eq!(policy_from_info(&bulk(b"# Memory\r\n")), None);
+    }
+
+    #[test]
+    fn the_major_version_is_read_from_info_server() {
+        let info = "# Server\r\nredis_version:7.0.15\r\nredis_mode:standalone\r\n";
+        assert_eq!(major_version(info), Some(7));
+        assert_eq!(major_version("redis_version:6.2.14\r\n"), Some(6));
+        assert_eq!(major_version("# Server\r\n"), None);
     }
 
     #[test]

@@ -15,6 +15,13 @@
 -- the scope is full. The record itself comes from the GET pipelined after this script, so its
 -- answer never passes through Lua.
 --
+-- Without quotas, on Redis 7 and later, the store claims with a plain SET … NX GET instead, and
+-- sends this script only to take over, and when that SET is refused (a full Redis).
+--
+-- The lease field (bytes 67-82) is 'k' and 15 digits, the ms by which the lease ends before the
+-- key expires (lease left = PTTL - gap: record.rs), or, from earlier versions and for a gap
+-- past 15 digits, 16 digits of deadline by TIME. Both are read; a new one is written as a gap.
+--
 -- Reads before it writes: a full Redis refuses a script's first write, not the script, so an
 -- existing record still comes back. TIME only where a lease matters. No helper functions:
 -- defining them costs on every call.
@@ -23,7 +30,12 @@ local h = redis.call('GETRANGE', key, 0, 81)
 if h == '' then
   local t = redis.call('TIME')
   local now = t[1] * 1000 + math.floor(t[2] / 1000)
-  local value = new .. string.format('%016.0f', now + ARGV[2])
+  local gap, value = ARGV[3] - ARGV[2], nil
+  if gap <= 999999999999999 then
+    value = new .. string.format('k%015.0f', gap)
+  else
+    value = new .. string.format('%016.0f', now + ARGV[2])
+  end
   if #KEYS == 1 or ARGV[4] == '' then
     redis.call('SET', key, value, 'PX', ARGV[3])
     return 1
@@ -77,14 +89,25 @@ local gen = tonumber(string.sub(h, 51, 66))
 if string.sub(h, 3, 50) == string.sub(new, 3, 50) then return gen end
 local t = redis.call('TIME')
 local now = t[1] * 1000 + math.floor(t[2] / 1000)
-local deadline = tonumber(string.sub(h, 67, 82))
-if deadline <= now and string.sub(h, 3, 34) == string.sub(new, 3, 34) then
+local pttl = redis.call('PTTL', key)
+local field, left = string.sub(h, 67, 82), nil
+if string.sub(field, 1, 1) == 'k' then
+  -- The lease is read off the key's expiry. A key with none (PERSIST by hand) says nothing
+  -- about it: held (a conflict, no lease left to tell), never taken over, until an operator
+  -- releases it.
+  if pttl < 0 then return -1 end
+  left = pttl - tonumber(string.sub(field, 2))
+else
+  left = tonumber(field) - now
+end
+if left <= 0 and string.sub(h, 3, 34) == string.sub(new, 3, 34) then
   -- The holder's lease lapsed: take over (new nonce, generation, lease), keep the key a lease.
+  -- The expiry goes first: it is the first write, so a full Redis refuses before anything changed.
   gen = gen + 1
   local lease = tonumber(ARGV[2])
-  redis.call('SETRANGE', key, 34,
-    string.sub(new, 35, 50) .. string.format('%016.0f%016.0f', gen, now + lease))
-  if redis.call('PTTL', key) < lease then
+  local keep = pttl
+  if pttl < lease then
+    keep = lease
     redis.call('PEXPIRE', key, ARGV[2])
     if #KEYS > 1 and string.sub(head, 1, 1) == '3' then
       -- The scope counts the record as long as it lives (and again, should it have been
@@ -97,6 +120,12 @@ if deadline <= now and string.sub(h, 3, 34) == string.sub(new, 3, 34) then
       if redis.call('PTTL', KEYS[3]) < lease then redis.call('PEXPIRE', KEYS[3], ARGV[2]) end
     end
   end
-  return {gen, now - deadline}
+  if keep - lease <= 999999999999999 then
+    field = string.format('k%015.0f', keep - lease)
+  else
+    field = string.format('%016.0f', now + lease)
+  end
+  redis.call('SETRANGE', key, 34, string.sub(new, 35, 50) .. string.format('%016.0f', gen) .. field)
+  return {gen, -left}
 end
-return -1 - math.max(deadline - now, 0)
+return -1 - math.max(left, 0)

@@ -1,11 +1,22 @@
 -- Records the answer. KEYS[1] record; with quotas KEYS[2] and KEYS[3] its scope group's
 -- records and counts (see claim.lua). ARGV[1] token (record bytes 35-66), ARGV[2] encoded
--- completion, ARGV[3] ttl ms (retention starts now), ARGV[4] the record id in hex. Replies 1,
--- 2 when it also dropped a recovery point, or 0 when fenced: nothing written. Completed by this token already: a resend, whose answer
--- is there; done, and the retention is not restarted.
+-- completion, ARGV[3] ttl ms (retention starts now); with quotas ARGV[4] the record id in hex.
+-- Replies 1, 2 when it also dropped a recovery point, or 0 when fenced: nothing written.
+-- Completed by this token already: a resend, whose answer is there; done, and the retention
+-- is not restarted.
+--
+-- The common case (no quota, no recovery point, a small answer) is two commands: invoking a
+-- script and each command in it cost more inside Redis than anything this code does.
 local key = KEYS[1]
 local h = redis.call('GETRANGE', key, 0, 145)
 if string.sub(h, 35, 66) ~= ARGV[1] then return 0 end
+if string.sub(h, 1, 2) == '2p' and #ARGV[2] <= 16384 then
+  -- One write: the header (which is all the record) marked completed, the answer, and the
+  -- retention. A larger answer is appended in place below: building it in Lua copies it
+  -- twice more.
+  redis.call('SET', key, '2c' .. string.sub(h, 3, 82) .. ARGV[2], 'PX', ARGV[3])
+  return 1
+end
 local state = string.sub(h, 2, 2)
 if state == 'c' then return 1 end
 local format = string.sub(h, 1, 1)

@@ -9,8 +9,11 @@ if string.sub(h, 35, 66) ~= ARGV[1] or (state ~= 'p' and state ~= 'r') then retu
 local t = redis.call('TIME')
 local now = t[1] * 1000 + math.floor(t[2] / 1000)
 local lease = tonumber(ARGV[2])
-redis.call('SETRANGE', key, 66, string.format('%016.0f', now + lease))
-if redis.call('PTTL', key) < lease then
+-- The lease field is the gap between the lease's end and the key's expiry (see claim.lua),
+-- rewritten with the expiry.
+local keep = redis.call('PTTL', key)
+if keep < lease then
+  keep = lease
   redis.call('PEXPIRE', key, ARGV[2])
   if string.sub(h, 1, 1) == '3' and #KEYS == 3 then
     -- The scope counts the record as long as it lives.
@@ -21,5 +24,10 @@ if redis.call('PTTL', key) < lease then
     if redis.call('PTTL', KEYS[2]) < lease then redis.call('PEXPIRE', KEYS[2], ARGV[2]) end
     if redis.call('PTTL', KEYS[3]) < lease then redis.call('PEXPIRE', KEYS[3], ARGV[2]) end
   end
+end
+if keep - lease <= 999999999999999 then
+  redis.call('SETRANGE', key, 66, string.format('k%015.0f', keep - lease))
+else
+  redis.call('SETRANGE', key, 66, string.format('%016.0f', now + lease))
 end
 return 1

@@ -22,17 +22,23 @@ if held ~= ARGV[1] then return 0 end
 if string.sub(h, 51, 66) ~= '0000000000000001' then
   -- Same length: the record grows by nothing. It is still a write, which a full Redis refuses
   -- (the key then waits out its lease, and is taken over all the same).
-  local t = redis.call('TIME')
-  local now = t[1] * 1000 + math.floor(t[2] / 1000)
+  -- The lease ends now: its gap to the key's expiry (see claim.lua) is the key's TTL.
+  local pttl, field = redis.call('PTTL', key), nil
+  if pttl >= 0 and pttl <= 999999999999999 then
+    field = string.format('k%015.0f', pttl)
+  else
+    local t = redis.call('TIME')
+    field = string.format('%016.0f', t[1] * 1000 + math.floor(t[2] / 1000))
+  end
   if state == 'r' then
     -- The recovery point goes with the claim: the header alone, in progress ('p').
     local n = 82
     if string.sub(h, 1, 1) == '3' then n = 146 end
     redis.call('SET', key, string.sub(h, 1, 1) .. 'p' .. string.sub(h, 3, 34) .. ARGV[3]
-      .. string.format('%016.0f', now) .. string.sub(h, 83, n), 'KEEPTTL')
+      .. field .. string.sub(h, 83, n), 'KEEPTTL')
     return 1
   end
-  redis.call('SETRANGE', key, 34, ARGV[3] .. string.format('%016.0f', now))
+  redis.call('SETRANGE', key, 34, ARGV[3] .. field)
   return 1
 end
 redis.call('DEL', key)

@@ -4,7 +4,8 @@
 -- progress): nothing written.
 --
 -- The record becomes state 'r': its header, then the point in place of an answer. The key
--- keeps its expiry. A point is not counted against a scope's byte quota: it is capped
+-- keeps its expiry, so the header's lease field (a gap before the expiry, or a deadline:
+-- claim.lua) still holds. A point is not counted against a scope's byte quota: it is capped
 -- (RecoveryPoint::MAX_ENCODED) and gone once the record completes.
 local key = KEYS[1]
 local h = redis.call('GETRANGE', key, 0, 145)
