@@ -29,17 +29,31 @@ pub(crate) fn completion(
     // From the answer's own `Vary`, before the deny-list: the guard follows what the answer
     // varies on, whether or not the header itself is replayed.
     let vary = request.and_then(|request| vary_guard(headers, request));
+    let kept = cfg.recorded_headers(headers);
+    fitted(cfg, status, kept, body, trailers, vary).unwrap_or(Completion::Tombstone { status })
+}
+
+/// The answer as recorded, or a tombstone's `Err` with `headers` handed back when the whole
+/// record would not fit.
+fn fitted(
+    cfg: &Config,
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+    trailers: Option<&HeaderMap>,
+    vary: Option<VaryGuard>,
+) -> Result<Completion, HeaderMap> {
     let stored = StoredResponse {
         status,
-        headers: cfg.recorded_headers(headers),
+        headers,
         body,
         trailers: trailers.map(|t| cfg.recorded_headers(t)),
         vary,
     };
     if stored.fits() {
-        Completion::Response(stored)
+        Ok(Completion::Response(stored))
     } else {
-        Completion::Tombstone { status }
+        Err(stored.headers)
     }
 }
 
@@ -61,18 +75,12 @@ pub(crate) fn completion_taking(
         return completion(cfg, request, status, headers, body, trailers);
     }
     let vary = request.and_then(|request| vary_guard(headers, request));
-    let stored = StoredResponse {
-        status,
-        headers: std::mem::take(headers),
-        body,
-        trailers: trailers.map(|t| cfg.recorded_headers(t)),
-        vary,
-    };
-    if stored.fits() {
-        Completion::Response(stored)
-    } else {
-        *headers = stored.headers;
-        Completion::Tombstone { status }
+    match fitted(cfg, status, std::mem::take(headers), body, trailers, vary) {
+        Ok(completion) => completion,
+        Err(taken) => {
+            *headers = taken;
+            Completion::Tombstone { status }
+        }
     }
 }
 

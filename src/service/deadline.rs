@@ -45,8 +45,7 @@ pub(super) async fn within<F: Future>(
     future: F,
 ) -> Result<F::Output, tokio::time::error::Elapsed> {
     let mut future = std::pin::pin!(future);
-    if let Poll::Ready(out) = std::future::poll_fn(|cx| Poll::Ready(future.as_mut().poll(cx))).await
-    {
+    if let Some(out) = at_first_poll(future.as_mut()).await {
         return Ok(out);
     }
     tokio::time::timeout_at(until, future).await
@@ -60,11 +59,19 @@ pub(crate) async fn within_for<F: Future>(
     future: F,
 ) -> Result<F::Output, tokio::time::error::Elapsed> {
     let mut future = std::pin::pin!(future);
-    if let Poll::Ready(out) = std::future::poll_fn(|cx| Poll::Ready(future.as_mut().poll(cx))).await
-    {
+    if let Some(out) = at_first_poll(future.as_mut()).await {
         return Ok(out);
     }
     tokio::time::timeout(d, future).await
+}
+
+/// Polls `future` once: its output if it is ready, `None` (and it is left to poll on) if not.
+async fn at_first_poll<F: Future>(mut future: std::pin::Pin<&mut F>) -> Option<F::Output> {
+    std::future::poll_fn(|cx| match future.as_mut().poll(cx) {
+        Poll::Ready(out) => Poll::Ready(Some(out)),
+        Poll::Pending => Poll::Ready(None),
+    })
+    .await
 }
 
 /// The holder's view of its lease. Every instant is taken when a call was *sent*, so the

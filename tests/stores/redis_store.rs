@@ -110,11 +110,7 @@ async fn records_are_one_string_per_key_with_a_ttl_under_the_prefix() {
         .connect(&url)
         .await
         .unwrap();
-    let mut con = redis::Client::open(url.as_str())
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
+    let mut con = raw_connection(&url).await;
     let id = unique_id("layout");
     let key = store.key(&id);
     assert_eq!(key, format!("test-idem:{{{}}}", id.to_hex()));
@@ -681,6 +677,15 @@ async fn new_requests_cost_two_round_trips_replays_and_conflicts_one() {
 /// Ends the lease of the record in progress at `key` now, by Redis's clock and without
 /// waiting: its lease field is a gap before the key's expiry (`TTL - LEASE` for a claim
 /// with this suite's figures), so an expiry closer than that gap means a lapsed lease.
+/// A connection of its own to the store's Redis, for commands the store never sends.
+async fn raw_connection(url: &str) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(url)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
+}
+
 async fn lapse(con: &mut redis::aio::MultiplexedConnection, key: &str) {
     let gap = (TTL - LEASE).as_millis() as u64;
     let () = redis::cmd("PEXPIRE")
@@ -699,11 +704,7 @@ async fn a_record_without_expiry_is_held_never_taken_over() {
         return;
     };
     let store = RedisStore::connect(&url).await.unwrap();
-    let mut con = redis::Client::open(url.as_str())
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
+    let mut con = raw_connection(&url).await;
     let id = unique_id("persist");
     let first = claim_token(&store, &id).await;
     let persisted: i64 = redis::cmd("PERSIST")
@@ -745,11 +746,7 @@ async fn a_plain_claim_conflicts_while_leased_and_a_lapsed_lease_is_taken_over_a
         return;
     };
     let store = RedisStore::connect(&url).await.unwrap();
-    let mut con = redis::Client::open(url.as_str())
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
+    let mut con = raw_connection(&url).await;
     let id = unique_id("lapse");
     let first = claim_token(&store, &id).await;
     match store
@@ -846,11 +843,7 @@ async fn records_in_either_lease_format_are_read_by_the_plain_claim_and_the_scri
         return;
     };
     let store = RedisStore::connect(&url).await.unwrap();
-    let mut con = redis::Client::open(url.as_str())
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
+    let mut con = raw_connection(&url).await;
     let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(&mut con).await.unwrap();
     let now = secs * 1000 + micros / 1000;
     let old_record = |nonce: u8, deadline: u64| {
@@ -1382,11 +1375,7 @@ async fn an_expired_record_leaves_its_scopes_counts_when_a_claim_prunes_it() {
     );
     redis_quota::wait_until_expired(&store, &old).await;
     token_of(claim_in(&store, &a, &in_a("k2")).await.unwrap());
-    let mut con = redis::Client::open(url.as_str())
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
+    let mut con = raw_connection(&url).await;
     let (count, bytes, old_size): (u64, u64, Option<u64>) = redis::cmd("HMGET")
         .arg(group_key(&store, &old, 'b'))
         .arg(format!("n{}", a.to_hex()))
@@ -1428,11 +1417,7 @@ async fn the_byte_quota_counts_recorded_answers() {
     token_of(claim_in(&store, &b, &in_b("k1")).await.unwrap());
 
     // The total is the stored size of the scope's record.
-    let mut con = redis::Client::open(url.as_str())
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
+    let mut con = raw_connection(&url).await;
     let total: u64 = redis::cmd("HGET")
         .arg(group_key(&store, &in_a("k1"), 'b'))
         .arg(format!("t{}", a.to_hex()))
@@ -1457,11 +1442,7 @@ async fn without_quotas_a_scoped_claim_touches_only_its_record() {
     for i in 0..5 {
         token_of(claim_in(&store, &a, &in_a(&format!("k{i}"))).await.unwrap());
     }
-    let mut con = redis::Client::open(url.as_str())
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
+    let mut con = raw_connection(&url).await;
     let key = store.key(&in_a("k0"));
     let prefix = key.split('{').next().unwrap();
     assert_eq!(
@@ -1559,11 +1540,7 @@ async fn a_counted_record_is_taken_over_renewed_and_completed_once_in_its_scope(
         .await
         .unwrap();
 
-    let mut con = redis::Client::open(url.as_str())
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
+    let mut con = raw_connection(&url).await;
     let key = store.key(&id);
     let counted: u64 = redis::cmd("ZCARD")
         .arg(group_key(&store, &id, 's'))
