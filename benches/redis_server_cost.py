@@ -1,6 +1,7 @@
 """Redis time per store operation: the hash-based store (commit 5ee8daf), the script protocol
 (claim.lua pipelined with a GET, as of commit 3ba9ee8) and the plain protocol this store sends
-on Redis 7 without quotas (the claim one `SET … NX PX … GET` with a `PTTL`).
+on Redis 7 without quotas (the claim one `SET … NX PX … GET`, and a `PTTL` after it when it
+finds a record in progress).
 
 Run from the repository, against a PRIVATE Redis (it resets INFO commandstats):
 
@@ -11,7 +12,7 @@ Run from the repository, against a PRIVATE Redis (it resets INFO commandstats):
 Sends over a raw socket the exact commands each version of the store sends: N claims of new
 keys, N completes (an answer of the body plus 60 bytes of status and headers), N replays, N
 claims of records in progress (conflict), and for the plain protocol N takeovers of lapsed
-leases (its plain claim, then the script). Prints Redis's microseconds per operation: the sum
+leases (its plain claim and `PTTL`, then the script). Prints Redis's microseconds per operation: the sum
 over the commands the store sends (EVALSHA, GET, SET, PTTL), which includes what the scripts
 ran inside. Not a wall-clock figure, so other load on the machine moves it far less than
 throughput. ROUNDS (the fifth argument, default 3) repeats every version in turn; the
@@ -118,9 +119,13 @@ def run(version, rnd):
         sent = ('evalsha', 'get')
     else:
         # The plain protocol: the record, its lease a gap before the key's expiry.
-        claim = lambda k, n: [enc('SET', k, header(n) + GAP, 'NX', 'PX', KEEP, 'GET'), enc('PTTL', k)]
+        # A record in progress (a conflict, a takeover) costs the PTTL too, sent after it.
+        claim = lambda k, n: [enc('SET', k, header(n) + GAP, 'NX', 'PX', KEEP, 'GET')]
+        held = lambda k, n: claim(k, n) + [enc('PTTL', k)]
         complete = lambda k, n: [enc('EVALSHA', new['complete'], 1, k, n + b'0000000000000001', answer, KEEP, ID)]
         sent = ('set', 'pttl')
+    if version != 'plain':
+        held = claim
     label = lambda what: '%s %s' % (version, what)
     total = cost(c, label('claim, new key'), lambda: batches([x for k, n in zip(keys, nonces) for x in claim(k, n)]), N, sent)
     total += cost(c, label('complete'), lambda: batches([x for k, n in zip(keys, nonces) for x in complete(k, n)]), N, ('evalsha',))
@@ -129,13 +134,13 @@ def run(version, rnd):
     cost(c, label('claim, replay'), lambda: batches([x for k in keys for x in claim(k, other)]), N, sent)
     busy = ['ops:%s:%s:%d:busy:{%064d}' % (tag, version, rnd, i) for i in range(N)]
     batches([x for k in busy for x in claim(k, b'x' * 16)])
-    cost(c, label('claim, conflict'), lambda: batches([x for k in busy for x in claim(k, other)]), N, sent)
+    cost(c, label('claim, conflict'), lambda: batches([x for k in busy for x in held(k, other)]), N, sent)
     if version == 'plain':
         # Lapse every lease (an expiry closer than the gap), then take over as the store
         # does: its plain claim reads the lapsed record, the script (with a GET) takes over.
         batches([enc('PEXPIRE', k, KEEP - LEASE - 1000) for k in busy])
         again = os.urandom(8).hex().encode()
-        t = cost(c, label('takeover: plain claim'), lambda: batches([x for k in busy for x in claim(k, again)]), N, sent)
+        t = cost(c, label('takeover: plain claim'), lambda: batches([x for k in busy for x in held(k, again)]), N, sent)
         t += cost(c, label('takeover: script'), lambda: batches([x for k in busy for x in (
             enc('EVALSHA', new['claim'], 1, k, header(again), LEASE, KEEP), enc('GET', k))]), N, ('evalsha', 'get'))
         RESULTS.setdefault(label('takeover (both)'), []).append(t)

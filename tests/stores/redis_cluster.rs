@@ -75,7 +75,7 @@ async fn records_spread_over_the_primaries() {
     }
 }
 
-/// On a cluster the plain claim (`SET … NX GET` and `PTTL`, one key) goes to the key's slot
+/// On a cluster the plain claim (`SET … NX GET`, then `PTTL` for a record in progress, one key) goes to the key's slot
 /// like a script: a live lease is a conflict, a lapsed one is taken over by the script at
 /// generation 2, and the old token is fenced.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -579,11 +579,11 @@ fn calls(list: &[(&str, u64)]) -> Vec<(String, u64)> {
     v
 }
 
-/// Without quotas, on Redis 7, a claim is one plain `SET … NX PX … GET` and a `PTTL`,
-/// pipelined: one round trip, no script. A complete is one script call of two commands. Only
-/// a takeover runs the claim script, in a second round trip.
+/// Without quotas, on Redis 7, a claim is one plain `SET … NX PX … GET`: one command, no
+/// script. A complete is one script call of two commands. A record in progress needs its
+/// `PTTL` too, in a second round trip; only a takeover runs the claim script, in a third.
 #[tokio::test]
-async fn new_requests_cost_two_round_trips_replays_and_conflicts_one() {
+async fn new_requests_cost_two_round_trips_replays_one_conflicts_two() {
     let Some(server) = RedisServer::start(&[]) else {
         return;
     };
@@ -609,8 +609,8 @@ async fn new_requests_cost_two_round_trips_replays_and_conflicts_one() {
     );
     assert_eq!(
         commands(&mut con).await,
-        calls(&[("set", 2), ("pttl", 1), ("evalsha", 1), ("getrange", 1)]),
-        "claim: SET and PTTL; complete: EVALSHA running GETRANGE and SET"
+        calls(&[("set", 2), ("evalsha", 1), ("getrange", 1)]),
+        "claim: SET; complete: EVALSHA running GETRANGE and SET"
     );
 
     reset_stats(&mut con).await;
@@ -625,7 +625,7 @@ async fn new_requests_cost_two_round_trips_replays_and_conflicts_one() {
     assert_eq!(round_trips(&mut con).await, 1, "replay: one round trip");
     assert_eq!(
         commands(&mut con).await,
-        calls(&[("set", 1), ("pttl", 1)]),
+        calls(&[("set", 1)]),
         "replay: the claim's SET answers the record"
     );
 
@@ -640,10 +640,14 @@ async fn new_requests_cost_two_round_trips_replays_and_conflicts_one() {
         ClaimOutcome::Existing(r) => assert!(matches!(r.state, RecordState::InProgress { .. })),
         other => panic!("{other:?}"),
     }
-    assert_eq!(round_trips(&mut con).await, 1, "conflict: one round trip");
+    assert_eq!(
+        round_trips(&mut con).await,
+        2,
+        "conflict: the SET, then the PTTL for the lease left"
+    );
     assert_eq!(commands(&mut con).await, calls(&[("set", 1), ("pttl", 1)]));
 
-    // A lapsed lease: the plain claim reads it, the script takes over.
+    // A lapsed lease: the plain claim and its PTTL read it, the script takes over.
     lapse(&mut con, &store.key(&busy)).await;
     reset_stats(&mut con).await;
     let took = store
@@ -656,8 +660,8 @@ async fn new_requests_cost_two_round_trips_replays_and_conflicts_one() {
     );
     assert_eq!(
         round_trips(&mut con).await,
-        2,
-        "takeover: the plain claim, then the script"
+        3,
+        "takeover: the plain claim, its PTTL, then the script"
     );
     let sent = commands(&mut con).await;
     assert!(

@@ -31,14 +31,17 @@
 //! - **Atomic claims.** Each write is one command or one Lua script, so it runs alone on the
 //!   node that holds the record. A claim creates the record or says what is there in the
 //!   same call: without quotas, on Redis 7, it is one plain `SET <record> NX PX <keep> GET`
-//!   (it writes only where there is no record, and answers the one there), with a `PTTL`;
-//!   the claim script runs only to take over a lapsed lease, with quotas, on a full Redis
-//!   and before Redis 7.
-//! - **One round trip per operation.** A new request costs 2 (claim, complete); a replay and a
-//!   conflict cost 1, and the answer comes back without passing through Lua (a script that
+//!   (it writes only where there is no record, and answers the one there); the claim script
+//!   runs only to take over a lapsed lease, with quotas, on a full Redis and before Redis 7.
+//! - **One round trip per operation.** A new request costs 2 (claim, complete); a replay
+//!   costs 1, and the answer comes back without passing through Lua (a script that
 //!   returned a 1 MiB answer would hold Redis, and every other client, for milliseconds):
 //!   the plain claim's `SET` answers it, and the claim script is pipelined with a `GET`. A
-//!   takeover costs 2 (the plain claim reads the lapsed lease, then the script). `get` is 1
+//!   record in progress costs one more, its key's `PTTL` (the lease left, for the 409's
+//!   `Retry-After` and to see a lapse): a conflict costs 2, and a takeover 3 (the plain
+//!   claim, the `PTTL`, then the script). Reading the `PTTL` with every claim would cost
+//!   each new key and replay a second command for what only a record in progress needs
+//!   (a replay's Redis time 1.63 µs against 1.32 µs, BENCHMARKS.md). `get` is 1
 //!   (`GET`, `TIME` and `PTTL`, pipelined, no script). With [`with_wait`] a claim that wins
 //!   costs one more (a renewal and `WAIT`, pipelined); a complete sends its `WAIT` in the
 //!   same pipeline.
@@ -860,13 +863,24 @@ impl RedisStore {
         // Three sends at most, plus the switch from the plain claim to the script.
         for _ in 0..4 {
             let parsed = if let Some(pipe) = &plain {
-                match self
+                let mut decided = self
                     .send(pipe, lua, key)
                     .await
-                    .and_then(|replies| parse_plain(replies, nonce, fingerprint))
-                {
+                    .and_then(|replies| parse_plain(replies, nonce, fingerprint));
+                if let Ok(Err(Fallback::Lease(value))) = decided {
+                    // A record in progress: its lease left is its key's PTTL less the gap.
+                    // Read alone and only here, so a new key and a replay cost Redis the
+                    // SET alone. The record may change between the two (completed, say):
+                    // the PTTL then misstates the lease, which only decides the Retry-After
+                    // hint or hands a lapse to the script, which reads again atomically.
+                    decided = self.send(&pttl(key), lua, key).await.and_then(|replies| {
+                        plain_outcome(value, replies.first(), nonce, fingerprint)
+                    });
+                }
+                match decided {
                     Ok(Ok(outcome)) => Ok(Some(outcome)),
-                    Ok(Err(Fallback::Script)) => {
+                    // The PTTL did not tell the lease (see plain_outcome).
+                    Ok(Err(Fallback::Lease(_) | Fallback::Script)) => {
                         plain = None;
                         continue;
                     }
@@ -963,9 +977,10 @@ impl RedisStore {
     }
 }
 
-/// The plain claim: `SET key <record> NX PX keep GET`, then `PTTL key`, in one round trip.
-/// The `SET` writes a new record only where there is none, and answers what was there
-/// before, so one command both claims and reads. `None` for a gap too long for the record
+/// The plain claim: `SET key <record> NX PX keep GET`, one command. It writes a new record
+/// only where there is none, and answers what was there before, so it both claims and reads:
+/// a new key and a replay need nothing else. A record in progress needs its key's `PTTL`
+/// too, read after it (see [`plain_outcome`]). `None` for a gap too long for the record
 /// (over 31,000 years: see [`record::lease_gap`]), which the script writes as a deadline.
 ///
 /// The client writes the record, so it cannot stamp a lease deadline by Redis's clock: the
@@ -990,10 +1005,15 @@ fn plain_claim(
         .arg("NX")
         .arg("PX")
         .arg(keep_ms)
-        .arg("GET")
-        .cmd("PTTL")
-        .arg(key);
+        .arg("GET");
     Some(pipe)
+}
+
+/// `PTTL key`: the lease left of a record in progress the plain claim answered.
+fn pttl(key: &str) -> Pipeline {
+    let mut pipe = redis::pipe();
+    pipe.ignore_errors().cmd("PTTL").arg(key);
+    pipe
 }
 
 /// Why a plain claim's replies decide nothing.
@@ -1003,16 +1023,17 @@ enum Fallback {
     Script,
     /// Redis refused the syntax (before 7.0): the script from now on.
     Unsupported,
+    /// A record in progress (the `SET`'s reply): decided once its key's `PTTL` is read.
+    Lease(bytes::Bytes),
 }
 
-/// Decodes the plain claim's replies: the `SET`'s (the record that was there, if any), then
-/// the `PTTL`'s.
+/// Decodes the plain claim's reply: the record that was there, if any.
 fn parse_plain(
     replies: Vec<Value>,
     nonce: [u8; 16],
     fingerprint: &Fingerprint,
 ) -> Result<Result<ClaimOutcome, Fallback>, Failure> {
-    let [set, pttl]: [Value; 2] = replies
+    let [set]: [Value; 1] = replies
         .try_into()
         .map_err(|_| corrupt("claim reply count"))?;
     let value = match set {
@@ -1029,17 +1050,25 @@ fn parse_plain(
         Value::ServerError(e) => return Err(Failure::from_redis(e.into())),
         _ => return Err(corrupt("claim reply").into()),
     };
+    plain_outcome(value, None, nonce, fingerprint)
+}
+
+/// What the record a plain claim found means for it. `pttl`: the key's `PTTL` reply, read
+/// after the `SET` for a record in progress; `None` before it is read.
+fn plain_outcome(
+    value: bytes::Bytes,
+    pttl: Option<&Value>,
+    nonce: [u8; 16],
+    fingerprint: &Fingerprint,
+) -> Result<Result<ClaimOutcome, Fallback>, Failure> {
     let clock = Clock {
         now_ms: None,
-        pttl_ms: Clock::pttl(&pttl),
+        pttl_ms: pttl.and_then(Clock::pttl),
     };
-    let found = record::decode(value, clock)?;
+    let found = record::decode(value.clone(), clock)?;
     let RecordState::InProgress { lease_remaining } = found.record.state else {
         return Ok(Ok(ClaimOutcome::Existing(found.record)));
     };
-    if !found.lease_known {
-        return Ok(Err(Fallback::Script));
-    }
     let same = found.record.fingerprint == *fingerprint;
     if same && found.nonce == nonce {
         // This claim, sent again after a lost reply (equal nonces alone never prove it).
@@ -1048,6 +1077,14 @@ fn parse_plain(
                 ClaimOutcome::Claimed(c.with_recovery_point(found.record.recovery_point))
             }
             other => other,
+        }));
+    }
+    if !found.lease_known {
+        // Read the PTTL first. Still unknown after it: a deadline (an earlier version's
+        // record, which needs Redis's TIME) or a key gone meanwhile; the script reads it.
+        return Ok(Err(match pttl {
+            None => Fallback::Lease(value),
+            Some(_) => Fallback::Script,
         }));
     }
     if same && lease_remaining.is_zero() {
@@ -1284,21 +1321,32 @@ mod tests {
     fn plain_claim_replies_decide_or_hand_over_to_the_script() {
         let nonce = [9; 16];
         let mine = Fingerprint::from_bytes([7; 32]);
-        let plain = |set: Value, pttl: i64| parse_plain(vec![set, Value::Int(pttl)], nonce, &mine);
+        let set = |set: Value| parse_plain(vec![set], nonce, &mine).ok().unwrap();
+        // The SET's reply, then (for a record in progress) the PTTL's.
+        let plain = |reply: Value, pttl: i64| match set(reply) {
+            Err(Fallback::Lease(value)) => {
+                plain_outcome(value, Some(&Value::Int(pttl)), nonce, &mine)
+                    .ok()
+                    .unwrap()
+            }
+            decided => decided,
+        };
         // In progress, claimed by nonce [1; 16] with a gap of 9,000 ms before the key expires.
         let held = |nonce: [u8; 16]| {
             let mut v = record::new_record(record::PLAIN, &mine, &nonce);
             v.extend_from_slice(&record::lease_gap(9_000).unwrap());
             bulk(&v)
         };
-        match plain(Value::Nil, -2).ok().unwrap().ok().unwrap() {
+        match set(Value::Nil).ok().unwrap() {
             ClaimOutcome::Claimed(c) => {
                 assert_eq!(c.token, Token::from_parts(1, nonce));
                 assert!(!c.takeover);
             }
             other @ ClaimOutcome::Existing(_) => panic!("{other:?}"),
         }
-        match plain(held([1; 16]), 10_500).ok().unwrap().ok().unwrap() {
+        // A record in progress asks for its PTTL; nothing else does.
+        assert!(matches!(set(held([1; 16])), Err(Fallback::Lease(_))));
+        match plain(held([1; 16]), 10_500).ok().unwrap() {
             ClaimOutcome::Existing(r) => assert_eq!(
                 r.state,
                 RecordState::InProgress {
@@ -1308,55 +1356,54 @@ mod tests {
             other @ ClaimOutcome::Claimed(_) => panic!("{other:?}"),
         }
         // Lapsed: the script takes over; another fingerprint is told, and never takes over.
-        assert!(matches!(
-            plain(held([1; 16]), 8_000).ok().unwrap(),
-            Err(Fallback::Script)
-        ));
-        let other = parse_plain(
-            vec![held([1; 16]), Value::Int(8_000)],
-            nonce,
-            &Fingerprint::from_bytes([8; 32]),
-        );
+        assert!(matches!(plain(held([1; 16]), 8_000), Err(Fallback::Script)));
+        let theirs = Fingerprint::from_bytes([8; 32]);
+        let Err(Fallback::Lease(value)) = parse_plain(vec![held([1; 16])], nonce, &theirs)
+            .ok()
+            .unwrap()
+        else {
+            panic!("no PTTL asked for")
+        };
+        let other = plain_outcome(value, Some(&Value::Int(8_000)), nonce, &theirs);
         assert!(matches!(other.ok().unwrap(), Ok(ClaimOutcome::Existing(_))));
-        // This claim, sent again: claimed, whatever the lease.
+        // This claim, sent again: claimed, whatever the lease, and without a PTTL.
         assert!(matches!(
-            plain(held(nonce), 8_000).ok().unwrap(),
+            set(held(nonce)),
             Ok(ClaimOutcome::Claimed(c)) if c.token == Token::from_parts(1, nonce)
         ));
-        // A deadline (an earlier version's record) needs TIME, which this reply lacks; so does
-        // a key gone between the SET and the PTTL.
+        // A deadline (an earlier version's record) needs TIME, which the PTTL does not give;
+        // nor does a key gone between the SET and the PTTL: the script reads them.
         assert!(matches!(
-            plain(stored(b'p', b""), 10_000).ok().unwrap(),
+            plain(stored(b'p', b""), 10_000),
             Err(Fallback::Script)
         ));
-        assert!(matches!(
-            plain(held([1; 16]), -2).ok().unwrap(),
-            Err(Fallback::Script)
-        ));
+        assert!(matches!(plain(held([1; 16]), -2), Err(Fallback::Script)));
         let done = Completion::Tombstone {
             status: http::StatusCode::CREATED,
         };
         assert!(matches!(
-            plain(stored(b'c', &done.encode()), 10).ok().unwrap(),
+            set(stored(b'c', &done.encode())),
             Ok(ClaimOutcome::Existing(r)) if r.state == RecordState::Completed(done)
         ));
         let error = |line: &str| redis::parse_redis_value(line.as_bytes()).unwrap();
         let oom = error("-OOM command not allowed when used memory > 'maxmemory'.\r\n");
         assert!(matches!(oom, Value::ServerError(_)), "{oom:?}");
         // Full: the script reads what is there. Before 7.0: the script from now on.
+        assert!(matches!(set(oom), Err(Fallback::Script)));
         assert!(matches!(
-            plain(oom, -2).ok().unwrap(),
-            Err(Fallback::Script)
-        ));
-        assert!(matches!(
-            plain(error("-ERR syntax error\r\n"), -2).ok().unwrap(),
+            set(error("-ERR syntax error\r\n")),
             Err(Fallback::Unsupported)
         ));
-        let wrong = plain(error("-WRONGTYPE Operation against a key\r\n"), -2);
+        let wrong = parse_plain(
+            vec![error("-WRONGTYPE Operation against a key\r\n")],
+            nonce,
+            &mine,
+        );
         assert_eq!(
             wrong.err().unwrap().into_error().kind(),
             StoreErrorKind::Corrupt
         );
+        assert!(parse_plain(vec![Value::Nil, Value::Int(1)], nonce, &mine).is_err());
     }
 
     #[test]
