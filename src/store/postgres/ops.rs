@@ -9,8 +9,8 @@ use tokio_postgres::types::ToSql;
 
 use super::retry::Attempts;
 use super::rows::{
-    column, corrupt, decode_called, decode_claim, decode_record, micros, token_params, ClaimRead,
-    CompleteParams, CorruptRow, IN_PROGRESS,
+    column, corrupt, decode_called, decode_claim, decode_new, decode_record, micros, token_params,
+    ClaimRead, CompleteParams, CorruptRow, IN_PROGRESS,
 };
 use super::PostgresStore;
 use crate::record::{Completion, Fingerprint, Record, RecordId, ScopeId, Token};
@@ -224,24 +224,32 @@ impl PostgresStore {
             &records,
             &bytes,
         ];
+        // Without a quota, claim_new.sql: the same read, and for an absent key the lean
+        // insert function (its first five parameters). With one, claim.sql and the claim
+        // function, which counts the scope first.
+        let plain = scope.is_none();
         let mut attempts = Attempts::new(self, false);
         // Whether the read found a record to replace or take over: then the function alone,
         // until it answers (a resend after a lost reply reads its own claim back).
         let mut call = false;
         loop {
             let deadline = attempts.deadline()?;
-            let sql = if call {
-                &self.sql.claim_call
+            let (sql, params): (&str, &[&(dyn ToSql + Sync)]) = if call {
+                (&self.sql.claim_call, &params)
+            } else if plain {
+                (&self.sql.claim_new, &params[..5])
             } else {
-                &self.sql.claim
+                (&self.sql.claim, &params)
             };
-            match self.attempt(sql, &params, deadline).await {
+            match self.attempt(sql, params, deadline).await {
                 Ok(rows) => {
                     let row = rows
                         .first()
                         .ok_or_else(|| corrupt(CorruptRow("claim returned no row")))?;
                     let read = if call {
                         decode_called(row, fingerprint, &nonce)?
+                    } else if plain {
+                        decode_new(row, fingerprint, &nonce)?
                     } else {
                         decode_claim(row, fingerprint, &nonce)?
                     };
@@ -318,9 +326,10 @@ mod tests {
     const TTL: Duration = Duration::from_secs(60);
     const LEASE: Duration = Duration::from_secs(30);
 
-    /// claim.sql calls the claim function only when it read no live record: a replay, a
-    /// conflict and a mismatch are answered by the statement's own primary-key read. Shown
-    /// with a function that fails whenever it runs, in the one statement each claim sends.
+    /// claim_new.sql and claim.sql call a claim function only when they read no live record:
+    /// a replay, a conflict and a mismatch are answered by the statement's own primary-key
+    /// read. Shown with functions that fail whenever they run, in the one statement each claim
+    /// sends.
     #[tokio::test]
     async fn the_claim_function_runs_only_when_no_live_record_was_read() {
         let Some(url) = crate::store::test_backend_url("IDEMPOTENCY_TEST_POSTGRES_URL") else {
@@ -379,6 +388,11 @@ mod tests {
                      OUT status smallint, OUT headers bytea, OUT body bytea,
                      OUT trailers bytea, OUT lapsed_us bigint, OUT recovery_point bytea)
                  LANGUAGE plpgsql VOLATILE AS $$
+                 BEGIN RAISE EXCEPTION 'the claim function ran'; END $$;
+                 CREATE OR REPLACE FUNCTION {table}_claim_new_v1(
+                     p_id bytea, p_fingerprint bytea, p_nonce bytea, p_lease bigint,
+                     p_ttl bigint)
+                 RETURNS bigint LANGUAGE plpgsql VOLATILE AS $$
                  BEGIN RAISE EXCEPTION 'the claim function ran'; END $$"
             ))
             .await
@@ -415,7 +429,7 @@ mod tests {
             .unwrap()
             .batch_execute(&format!(
                 "DROP TABLE {table}; DROP FUNCTION {table}_claim_v2; \
-                 DROP FUNCTION {table}_claim_v3"
+                 DROP FUNCTION {table}_claim_v3; DROP FUNCTION {table}_claim_new_v1"
             ))
             .await
             .unwrap();
