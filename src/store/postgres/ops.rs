@@ -434,4 +434,77 @@ mod tests {
             .await
             .unwrap();
     }
+
+    /// A key inserted by a transaction still in flight when claim_new.sql reads: the read sees
+    /// no row, the lean insert waits for that transaction and then meets its row, and returns
+    /// nothing; the claim function, in a second statement, reads the committed row and
+    /// answers with it.
+    #[tokio::test]
+    async fn a_new_key_whose_insert_meets_a_row_committed_after_the_read_gets_that_row() {
+        let Some(url) = crate::store::test_backend_url("IDEMPOTENCY_TEST_POSTGRES_URL") else {
+            return;
+        };
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+            % 1_000_000_000;
+        let table = format!("tidem_unit_race_{}_{nanos}", std::process::id());
+        let store = PostgresStore::builder()
+            .with_table(&table)
+            .unwrap()
+            .connect(&url)
+            .await
+            .unwrap();
+        store.migrate().await.unwrap();
+        let id = RecordId::new(None, "raced");
+        let fp = Fingerprint::from_bytes([6; 32]);
+        let mut other = store.pool().get().await.unwrap();
+        let tx = other.transaction().await.unwrap();
+        tx.execute(
+            &format!(
+                "INSERT INTO {table} (id, fingerprint, state, generation, nonce, locked_until,
+                                     status, created_at, expires_at)
+                 VALUES ($1, $2, 2, 1, $3, now(), 409, now(), now() + interval '1 min')"
+            ),
+            &[
+                &id.as_bytes().as_slice(),
+                &fp.as_bytes().as_slice(),
+                &[8u8; 16].as_slice(),
+            ],
+        )
+        .await
+        .unwrap();
+        let claim = {
+            let store = store.clone();
+            tokio::spawn(async move { store.claim(&ClaimRequest::new(&id, &fp, LEASE, TTL)).await })
+        };
+        // Long enough for the claim's read to run and its insert to wait on ours.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(
+            !claim.is_finished(),
+            "the claim did not wait for the insert in flight"
+        );
+        tx.commit().await.unwrap();
+        let outcome = claim.await.unwrap().unwrap();
+        match outcome {
+            ClaimOutcome::Existing(record) => {
+                assert_eq!(record.fingerprint, fp);
+                assert_eq!(record.holder.map(|t| t.generation()), Some(1));
+            }
+            other => panic!("expected the committed row, got {other:?}"),
+        }
+        drop(other);
+        store
+            .pool()
+            .get()
+            .await
+            .unwrap()
+            .batch_execute(&format!(
+                "DROP TABLE {table}; DROP FUNCTION {table}_claim_v2; \
+                 DROP FUNCTION {table}_claim_v3; DROP FUNCTION {table}_claim_new_v1"
+            ))
+            .await
+            .unwrap();
+    }
 }
