@@ -240,7 +240,7 @@ mod bench {
             Some(out)
         }
 
-        /// Calls of the claim function by the store's connection so far.
+        /// Calls of the claim functions (either) by the store's connection so far.
         async fn function_calls(&self) -> Option<i64> {
             if !self.track_functions {
                 return None;
@@ -252,12 +252,13 @@ mod bench {
                 .unwrap();
             let row = c
                 .query_opt(
-                    "SELECT calls FROM pg_stat_user_functions WHERE funcname = $1",
-                    &[&self.function],
+                    "SELECT sum(calls)::bigint FROM pg_stat_user_functions
+                      WHERE funcname IN ($1, $2)",
+                    &[&self.function, &format!("{TABLE}_claim_new_v1")],
                 )
                 .await
                 .unwrap();
-            Some(row.map_or(0, |r| r.get(0)))
+            Some(row.and_then(|r| r.get::<_, Option<i64>>(0)).unwrap_or(0))
         }
 
         fn cpu(&self) -> Option<(f64, f64)> {
@@ -532,7 +533,7 @@ mod bench {
         for (label, g) in [
             ("statements sent", sent as fn(&Case) -> Option<f64>),
             ("statements run inside the claim function", nested),
-            ("calls of the claim function", calls),
+            ("calls of a claim function", calls),
         ] {
             println!(
                 "| {label} | | {} | | {} |",
@@ -588,6 +589,7 @@ mod bench {
         c.batch_execute(&format!(
             "DROP TABLE IF EXISTS {TABLE};
              DROP FUNCTION IF EXISTS {TABLE}_claim_v2;
+             DROP FUNCTION IF EXISTS {TABLE}_claim_new_v1;
              DROP FUNCTION IF EXISTS {function}"
         ))
         .await
@@ -661,7 +663,8 @@ mod bench {
             .await
             .unwrap()
             .batch_execute(&format!(
-                "DROP TABLE {TABLE}; DROP FUNCTION {TABLE}_claim_v2; DROP FUNCTION {}",
+                "DROP TABLE {TABLE}; DROP FUNCTION {TABLE}_claim_v2; DROP FUNCTION {}; \
+                 DROP FUNCTION {TABLE}_claim_new_v1",
                 b.function
             ))
             .await

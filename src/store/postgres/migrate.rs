@@ -103,9 +103,12 @@ impl PostgresStore {
     ///
     /// The schema must exist.
     ///
-    /// The claim function is `<table>_claim_v3`. Replicas of the previous version call
-    /// `<table>_claim_v2`, which `migrate` keeps as a wrapper over `<table>_claim_v3` (the
-    /// same claim); replicas of the version before call `<table>_claim`, which is left alone.
+    /// The claim functions are `<table>_claim_v3` and, for claims without a quota,
+    /// `<table>_claim_new_v1` (the insert of an absent key). Replicas of the previous version
+    /// call `<table>_claim_v3` with every claim, which keeps working (both write the same
+    /// rows). Replicas of the version before that call `<table>_claim_v2`, which `migrate`
+    /// keeps as a wrapper over `<table>_claim_v3` (the same claim); replicas of the version
+    /// before call `<table>_claim`, which is left alone.
     /// So a rolling upgrade keeps them all working. Drop `<table>_claim` once none runs.
     /// (Such a replica ignores the recovery points: it neither clears one when it completes,
     /// releases or replaces a record, nor hands one on.)
@@ -159,8 +162,11 @@ impl PostgresStore {
     pub async fn verify(&self) -> Result<(), SetupError> {
         let client = self.setup_client().await?;
         let checked = match client.query(&self.sql.verify, &[]).await {
-            // Preparing the claim resolves the function it calls, without running it.
-            Ok(_) => client.prepare(&self.sql.claim).await.map(drop),
+            // Preparing the claims resolves the functions they call, without running them.
+            Ok(_) => match client.prepare(&self.sql.claim).await {
+                Ok(_) => client.prepare(&self.sql.claim_new).await.map(drop),
+                Err(e) => Err(e),
+            },
             Err(e) => Err(e),
         };
         match checked {

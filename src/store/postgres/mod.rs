@@ -29,11 +29,13 @@
 //! [`with_table`](PostgresStoreBuilder::with_table) names another), an index on `expires_at` for
 //! the sweeper, a partial index on `(scope, expires_at)` for per-scope quotas, a partial index
 //! `<table>_recovery_idx` on `expires_at` of the records in progress that hold a recovery
-//! point, and the PL/pgSQL function `<table>_claim_v3` that every claim which writes goes
-//! through (and `<table>_claim_v2`, a wrapper over it for processes on the version before).
-//! The statements are the `.sql` files of `src/store/postgres/sql/`, one per operation; when
-//! the schema is managed elsewhere, apply `migrate.sql`, `claim_function.sql` and
-//! `claim_function_v2.sql` (with the table's name) there. The table:
+//! point, and the PL/pgSQL functions the claims that write go through: `<table>_claim_new_v1`
+//! (the insert of an absent key, without a quota) and `<table>_claim_v3` (quotas,
+//! replacements, takeovers), with `<table>_claim_v2`, a wrapper over the latter for processes
+//! on an earlier version. The statements are the `.sql` files of `src/store/postgres/sql/`,
+//! one per operation; when the schema is managed elsewhere, apply `migrate.sql`,
+//! `claim_function.sql`, `claim_function_v2.sql` and `claim_new_function.sql` (with the
+//! table's name) there. The table:
 //!
 //! ```sql
 //! CREATE TABLE idempotency_records (
@@ -79,13 +81,18 @@
 //! # How the contract is met
 //!
 //! - **The claim is one statement and one round trip**, and it reads before it writes
-//!   (claim.sql). It first reads the row by its primary key. A completed record or a live
-//!   lease (a replay, a conflict, a mismatch) is the answer, and the writing half, the
-//!   PL/pgSQL function `<table>_claim_v3` (claim_function.sql), is not called (a `CASE`
-//!   calls it only when no row was read): a replay is one index lookup and writes nothing.
+//!   (claim_new.sql, or claim.sql with a per-scope quota). It first reads the row by its
+//!   primary key. A completed record or a live lease (a replay, a conflict, a mismatch) is
+//!   the answer, and the writing half is not called (a `CASE` calls it only when no row was
+//!   read): a replay is one index lookup and writes nothing. Without a quota the writing
+//!   half is `<table>_claim_new_v1` (claim_new_function.sql), a PL/pgSQL function that runs
+//!   one `INSERT … ON CONFLICT (id) DO NOTHING` and returns the new generation, or nothing
+//!   when a row committed since the read (then the claim function below, a second round
+//!   trip, as for any lost race). With a quota it is `<table>_claim_v3`
+//!   (claim_function.sql), which counts the scope first.
 //!   The store tells a live row from an expired one, or from a lapsed lease of the same
 //!   request, by the timestamps read with the database's clock; those two rare cases take
-//!   a second statement, the function alone (claim_call.sql). The function claims:
+//!   a second statement, `<table>_claim_v3` alone (claim_call.sql). That function claims:
 //!   it inserts an absent key (`INSERT … ON CONFLICT (id) DO NOTHING`); when a row is there
 //!   it reads it again with a fresh snapshot and, in one statement, replaces an expired row
 //!   (generation 1), takes over one in progress with a lapsed lease and the same
@@ -620,7 +627,8 @@ mod tests {
         let client = store.pool().get().await.unwrap();
         client
             .batch_execute(&format!(
-                "DROP TABLE {table}; DROP FUNCTION {table}_claim_v2; DROP FUNCTION {table}_claim_v3"
+                "DROP TABLE {table}; DROP FUNCTION {table}_claim_v2; DROP FUNCTION {table}_claim_v3; \
+                 DROP FUNCTION {table}_claim_new_v1"
             ))
             .await
             .unwrap();

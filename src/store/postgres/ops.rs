@@ -9,8 +9,8 @@ use tokio_postgres::types::ToSql;
 
 use super::retry::Attempts;
 use super::rows::{
-    column, corrupt, decode_called, decode_claim, decode_record, micros, token_params, ClaimRead,
-    CompleteParams, CorruptRow, IN_PROGRESS,
+    column, corrupt, decode_called, decode_claim, decode_new, decode_record, micros, token_params,
+    ClaimRead, CompleteParams, CorruptRow, IN_PROGRESS,
 };
 use super::PostgresStore;
 use crate::record::{Completion, Fingerprint, Record, RecordId, ScopeId, Token};
@@ -224,24 +224,32 @@ impl PostgresStore {
             &records,
             &bytes,
         ];
+        // Without a quota, claim_new.sql: the same read, and for an absent key the lean
+        // insert function (its first five parameters). With one, claim.sql and the claim
+        // function, which counts the scope first.
+        let plain = scope.is_none();
         let mut attempts = Attempts::new(self, false);
         // Whether the read found a record to replace or take over: then the function alone,
         // until it answers (a resend after a lost reply reads its own claim back).
         let mut call = false;
         loop {
             let deadline = attempts.deadline()?;
-            let sql = if call {
-                &self.sql.claim_call
+            let (sql, params): (&str, &[&(dyn ToSql + Sync)]) = if call {
+                (&self.sql.claim_call, &params)
+            } else if plain {
+                (&self.sql.claim_new, &params[..5])
             } else {
-                &self.sql.claim
+                (&self.sql.claim, &params)
             };
-            match self.attempt(sql, &params, deadline).await {
+            match self.attempt(sql, params, deadline).await {
                 Ok(rows) => {
                     let row = rows
                         .first()
                         .ok_or_else(|| corrupt(CorruptRow("claim returned no row")))?;
                     let read = if call {
                         decode_called(row, fingerprint, &nonce)?
+                    } else if plain {
+                        decode_new(row, fingerprint, &nonce)?
                     } else {
                         decode_claim(row, fingerprint, &nonce)?
                     };
@@ -318,9 +326,10 @@ mod tests {
     const TTL: Duration = Duration::from_secs(60);
     const LEASE: Duration = Duration::from_secs(30);
 
-    /// claim.sql calls the claim function only when it read no live record: a replay, a
-    /// conflict and a mismatch are answered by the statement's own primary-key read. Shown
-    /// with a function that fails whenever it runs, in the one statement each claim sends.
+    /// claim_new.sql and claim.sql call a claim function only when they read no live record:
+    /// a replay, a conflict and a mismatch are answered by the statement's own primary-key
+    /// read. Shown with functions that fail whenever they run, in the one statement each claim
+    /// sends.
     #[tokio::test]
     async fn the_claim_function_runs_only_when_no_live_record_was_read() {
         let Some(url) = crate::store::test_backend_url("IDEMPOTENCY_TEST_POSTGRES_URL") else {
@@ -379,6 +388,11 @@ mod tests {
                      OUT status smallint, OUT headers bytea, OUT body bytea,
                      OUT trailers bytea, OUT lapsed_us bigint, OUT recovery_point bytea)
                  LANGUAGE plpgsql VOLATILE AS $$
+                 BEGIN RAISE EXCEPTION 'the claim function ran'; END $$;
+                 CREATE OR REPLACE FUNCTION {table}_claim_new_v1(
+                     p_id bytea, p_fingerprint bytea, p_nonce bytea, p_lease bigint,
+                     p_ttl bigint)
+                 RETURNS bigint LANGUAGE plpgsql VOLATILE AS $$
                  BEGIN RAISE EXCEPTION 'the claim function ran'; END $$"
             ))
             .await
@@ -415,7 +429,80 @@ mod tests {
             .unwrap()
             .batch_execute(&format!(
                 "DROP TABLE {table}; DROP FUNCTION {table}_claim_v2; \
-                 DROP FUNCTION {table}_claim_v3"
+                 DROP FUNCTION {table}_claim_v3; DROP FUNCTION {table}_claim_new_v1"
+            ))
+            .await
+            .unwrap();
+    }
+
+    /// A key inserted by a transaction still in flight when claim_new.sql reads: the read sees
+    /// no row, the lean insert waits for that transaction and then meets its row, and returns
+    /// nothing; the claim function, in a second statement, reads the committed row and
+    /// answers with it.
+    #[tokio::test]
+    async fn a_new_key_whose_insert_meets_a_row_committed_after_the_read_gets_that_row() {
+        let Some(url) = crate::store::test_backend_url("IDEMPOTENCY_TEST_POSTGRES_URL") else {
+            return;
+        };
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+            % 1_000_000_000;
+        let table = format!("tidem_unit_race_{}_{nanos}", std::process::id());
+        let store = PostgresStore::builder()
+            .with_table(&table)
+            .unwrap()
+            .connect(&url)
+            .await
+            .unwrap();
+        store.migrate().await.unwrap();
+        let id = RecordId::new(None, "raced");
+        let fp = Fingerprint::from_bytes([6; 32]);
+        let mut other = store.pool().get().await.unwrap();
+        let tx = other.transaction().await.unwrap();
+        tx.execute(
+            &format!(
+                "INSERT INTO {table} (id, fingerprint, state, generation, nonce, locked_until,
+                                     status, created_at, expires_at)
+                 VALUES ($1, $2, 2, 1, $3, now(), 409, now(), now() + interval '1 min')"
+            ),
+            &[
+                &id.as_bytes().as_slice(),
+                &fp.as_bytes().as_slice(),
+                &[8u8; 16].as_slice(),
+            ],
+        )
+        .await
+        .unwrap();
+        let claim = {
+            let store = store.clone();
+            tokio::spawn(async move { store.claim(&ClaimRequest::new(&id, &fp, LEASE, TTL)).await })
+        };
+        // Long enough for the claim's read to run and its insert to wait on ours.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(
+            !claim.is_finished(),
+            "the claim did not wait for the insert in flight"
+        );
+        tx.commit().await.unwrap();
+        let outcome = claim.await.unwrap().unwrap();
+        match outcome {
+            ClaimOutcome::Existing(record) => {
+                assert_eq!(record.fingerprint, fp);
+                assert_eq!(record.holder.map(|t| t.generation()), Some(1));
+            }
+            other => panic!("expected the committed row, got {other:?}"),
+        }
+        drop(other);
+        store
+            .pool()
+            .get()
+            .await
+            .unwrap()
+            .batch_execute(&format!(
+                "DROP TABLE {table}; DROP FUNCTION {table}_claim_v2; \
+                 DROP FUNCTION {table}_claim_v3; DROP FUNCTION {table}_claim_new_v1"
             ))
             .await
             .unwrap();

@@ -276,7 +276,8 @@ pub(super) enum ClaimRead {
     Done(ClaimOutcome),
     /// The function lost a race: run the claim again.
     Again,
-    /// The row is expired, or a lapsed lease of this request: claim it with claim_call.sql.
+    /// The row is expired, or a lapsed lease of this request, or claim_new.sql's insert met a
+    /// row its read could not see: claim it with claim_call.sql.
     Call,
 }
 
@@ -326,6 +327,39 @@ pub(super) fn decode_claim(
     if let Some(claimed) = column::<Option<Claimed<'_>>>(row, "claimed")? {
         return decode_claimed(&claimed, fingerprint, nonce);
     }
+    decode_read(row, fingerprint, nonce)
+}
+
+/// What the claim statement without a quota (claim_new.sql) returned, its one row: the new
+/// record's generation in `claimed`, or the row it read.
+pub(super) fn decode_new(
+    row: &Row,
+    fingerprint: &Fingerprint,
+    nonce: &[u8; 16],
+) -> Result<ClaimRead, StoreError> {
+    if let Some(generation) = column::<Option<i64>>(row, "claimed")? {
+        // The insert of an absent key: always generation 1.
+        if generation != 1 {
+            return Err(corrupt(CorruptRow("a new record not at generation 1")));
+        }
+        return Ok(ClaimRead::Done(ClaimOutcome::Claimed(Claim::first(
+            Token::from_parts(1, *nonce),
+        ))));
+    }
+    // `generation` is never NULL in the table: NULL is no row read, and an insert that met a
+    // row committed since. The claim function reads it again with a fresh snapshot.
+    if column::<Option<i64>>(row, "generation")?.is_none() {
+        return Ok(ClaimRead::Call);
+    }
+    decode_read(row, fingerprint, nonce)
+}
+
+/// A row a claim statement read: the answer when it is live, otherwise `Call`.
+fn decode_read(
+    row: &Row,
+    fingerprint: &Fingerprint,
+    nonce: &[u8; 16],
+) -> Result<ClaimRead, StoreError> {
     // A row is there: live unless expired or a lapsed lease of this same request, the same
     // test the claim function makes (`{expired}` and its takeover condition in sql.rs).
     let Micros(now) = column(row, "now")?;

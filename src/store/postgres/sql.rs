@@ -24,6 +24,8 @@ pub(super) struct Table {
     function: String,
     /// The previous version's claim function, kept as a wrapper (claim_function_v2.sql).
     previous_function: String,
+    /// The insert of an absent key for claims without a quota (claim_new_function.sql).
+    new_function: String,
     /// The migration lock (one-`bigint` advisory lock space).
     lock_key: i64,
     /// The first key of the scopes' quota locks (the two-`int` space, apart from the above).
@@ -78,6 +80,7 @@ impl Table {
             recovery_index_name: format!("{table}_recovery_idx"),
             function: qualify(&format!("{table}_claim{FUNCTION_VERSION}")),
             previous_function: qualify(&format!("{table}_claim{PREVIOUS_FUNCTION_VERSION}")),
+            new_function: qualify(&format!("{table}_claim_new{NEW_FUNCTION_VERSION}")),
             lock_key: i64::from_be_bytes(key),
             lock_class: i32::from_be_bytes(class),
         })
@@ -94,6 +97,10 @@ impl Table {
 /// `<table>_claim`, and is left alone.
 const FUNCTION_VERSION: &str = "_v3";
 const PREVIOUS_FUNCTION_VERSION: &str = "_v2";
+/// The insert of an absent key (claim_new_function.sql), which claim_new.sql calls: versioned
+/// the same way. `<table>_claim_new_v1` is 13 bytes longer than the table's name, within the
+/// 15 that [`MAX_TABLE_LEN`] leaves.
+const NEW_FUNCTION_VERSION: &str = "_v1";
 
 /// A row is expired past `expires_at`, unless its lease is still live. `r` is the record row;
 /// the `.sql` files write `{expired}` for it.
@@ -106,6 +113,7 @@ pub(super) struct Sql {
     pub(super) migrate: String,
     pub(super) verify: String,
     pub(super) claim: String,
+    pub(super) claim_new: String,
     pub(super) claim_call: String,
     pub(super) extend: String,
     pub(super) complete: String,
@@ -146,6 +154,8 @@ impl Sql {
         let previous = load(include_str!("sql/claim_function_v2.sql"), table)
             .replace("{previous_function}", &table.previous_function)
             .replace("{function}", &table.function);
+        let new_function = load(include_str!("sql/claim_new_function.sql"), table)
+            .replace("{new_function}", &table.new_function);
         let migrate = load(include_str!("sql/migrate.sql"), table)
             .replace("{lock_key}", &table.lock_key.to_string())
             .replace("{expires_index_name}", &table.expires_index_name)
@@ -163,10 +173,12 @@ impl Sql {
         Self {
             // One simple-query message: the functions are created in the migration's
             // transaction, under its lock.
-            migrate: format!("{migrate}\n{function}\n{previous}"),
+            migrate: format!("{migrate}\n{function}\n{previous}\n{new_function}"),
             verify: load(include_str!("sql/verify.sql"), table),
             claim: load(include_str!("sql/claim.sql"), table)
                 .replace("{function}", &table.function),
+            claim_new: load(include_str!("sql/claim_new.sql"), table)
+                .replace("{new_function}", &table.new_function),
             claim_call: load(include_str!("sql/claim_call.sql"), table)
                 .replace("{function}", &table.function),
             extend: load(include_str!("sql/extend.sql"), table),
@@ -216,6 +228,7 @@ mod tests {
         assert_eq!(t.expires_index_name, "records_expires_at_idx");
         assert_eq!(t.function, "\"app\".\"records_claim_v3\"");
         assert_eq!(t.previous_function, "\"app\".\"records_claim_v2\"");
+        assert_eq!(t.new_function, "\"app\".\"records_claim_new_v1\"");
         assert_eq!(t.recovery_index_name, "records_recovery_idx");
         let other = Table::parse("records").unwrap();
         assert_ne!(t.lock_key, other.lock_key);
@@ -230,6 +243,7 @@ mod tests {
             &sql.migrate,
             &sql.verify,
             &sql.claim,
+            &sql.claim_new,
             &sql.claim_call,
             &sql.extend,
             &sql.complete,
@@ -260,5 +274,12 @@ mod tests {
         assert!(body.contains("CREATE OR REPLACE FUNCTION \"app\".\"records_claim_v2\"("));
         assert!(body.contains("SELECT c.* FROM \"app\".\"records_claim_v3\"(p_id"));
         assert!(sql.claim.contains("\"app\".\"records_claim_v3\"($1::bytea"));
+        assert!(body.contains("CREATE OR REPLACE FUNCTION \"app\".\"records_claim_new_v1\"("));
+        assert!(sql
+            .claim_new
+            .contains("\"app\".\"records_claim_new_v1\"($1::bytea, $2::bytea, $3::bytea, $4::bigint, $5::bigint)"));
+        // The longest table name still keeps its functions apart.
+        let longest = Table::parse(&"x".repeat(MAX_TABLE_LEN)).unwrap();
+        assert!(longest.new_function.len() - 2 <= 63);
     }
 }

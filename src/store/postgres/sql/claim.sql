@@ -1,4 +1,6 @@
--- Claim a record: one statement, one round trip, reading before it writes.
+-- Claim a record under a per-scope quota: one statement, one round trip, reading before it
+-- writes. Claims without a quota send claim_new.sql instead, the same read with a leaner
+-- insert; replicas of the previous version send this one for every claim.
 --
 -- $1 id, $2 fingerprint, $3 nonce, $4 lease µs, $5 ttl µs, $6 scope, $7 most records,
 -- $8 most bytes ($6 to $8 NULL when quotas are off).

@@ -1,6 +1,7 @@
 -- The writing half of the claim, and the per-scope quota. claim.sql reads the row first and
 -- calls this only when it found no live record: the key is absent, expired, or in progress
--- with a lapsed lease and the same fingerprint. A function, so that the claim stays one
+-- with a lapsed lease and the same fingerprint. claim_call.sql calls it alone for the last
+-- two, and after claim_new.sql's insert met a row its read could not see. A function, so that the claim stays one
 -- statement and one round trip: a single statement could not count a scope after waiting for
 -- the scope's lock (its snapshot is taken before the wait), while each query in a VOLATILE
 -- function takes a fresh snapshot (under READ COMMITTED). It returns one record, not a set:
