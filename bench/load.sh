@@ -15,6 +15,10 @@
 # served by the separate crate bench/peer, built here with `--ignore-rust-version` when the mode
 # is selected: LOAD_MODES="bare redis idempotent" compares the two Redis stores in one run),
 # REDIS_URL (redis://127.0.0.1:6379; a private server is better, e.g. redis-server --port 16392),
+# LOAD_POST (payments: the POST cases hit POST /v1/payments, whose handler saves two recovery
+# points through the layer's context, which no other middleware offers, so only the shop's
+# own layer makes those store calls; orders: POST /v1/orders, a handler that reads only its
+# body, the same work behind every middleware),
 # POSTGRES_URL (postgres://postgres@127.0.0.1:5432/test), LOAD_OUT (a markdown file to
 # write the table to). wrk comes from Debian's `wrk` package (installed when missing).
 set -euo pipefail
@@ -28,6 +32,11 @@ MODES=${LOAD_MODES:-bare noop memory redis postgres}
 REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379}
 POSTGRES_URL=${POSTGRES_URL:-postgres://postgres@127.0.0.1:5432/test}
 RUN_ID="$(date +%s)-$$"
+case "${LOAD_POST:-payments}" in
+  payments) export LOAD_POST_PATH=/v1/payments LOAD_POST_BODY='{"amount": 1999, "currency": "eur"}' ;;
+  orders) export LOAD_POST_PATH=/v1/orders LOAD_POST_BODY='{"items": [{"sku": "sku-1", "qty": 1}]}' ;;
+  *) echo "LOAD_POST=${LOAD_POST}: expected payments or orders" >&2; exit 1 ;;
+esac
 
 if ! command -v wrk >/dev/null; then
   echo "installing wrk (Debian package)" >&2
@@ -107,8 +116,8 @@ run_wrk() { # $1 = mode, $2 = case
   local args=(-t"$THREADS" -c"$CONNS" -d"${SECS}s" --latency)
   case "$2" in
     get) args+=("http://$ADDR/v1/charges") ;;
-    unique) args+=(-s bench/unique.lua "http://$ADDR/v1/payments") ;;
-    replay) args+=(-s bench/replay.lua "http://$ADDR/v1/payments") ;;
+    unique) args+=(-s bench/unique.lua "http://$ADDR$LOAD_POST_PATH") ;;
+    replay) args+=(-s bench/replay.lua "http://$ADDR$LOAD_POST_PATH") ;;
   esac
   wrk "${args[@]}" | awk '
     function ms(v) { if (v ~ /us$/) return v/1000; if (v ~ /ms$/) return v+0; if (v ~ /s$/) return v*1000; return v }
@@ -141,11 +150,11 @@ for mode in $MODES; do
   cases="get unique replay"; [ "$mode" = noop ] && cases=get
   for c in $cases; do
     # Replays: one connection first completes the 256 keys the measured run cycles over.
-    [ "$c" = replay ] && wrk -t1 -c1 -d2s -s bench/replay.lua "http://$ADDR/v1/payments" >/dev/null
+    [ "$c" = replay ] && wrk -t1 -c1 -d2s -s bench/replay.lua "http://$ADDR$LOAD_POST_PATH" >/dev/null
     if [ "$c" = replay ] && [ "$mode" != bare ]; then
       # One of the warm keys again, by hand: the answer must say it is a replay.
-      curl -fsi -X POST "http://$ADDR/v1/payments" -H "Idempotency-Key: r-$LOAD_RUN-1" \
-        -H 'Content-Type: application/json' -d '{"amount": 1999, "currency": "eur"}' \
+      curl -fsi -X POST "http://$ADDR$LOAD_POST_PATH" -H "Idempotency-Key: r-$LOAD_RUN-1" \
+        -H 'Content-Type: application/json' -d "$LOAD_POST_BODY" \
         | grep -qi '^idempotent-replayed: true' || echo "warning: $mode: a warm key's answer has no idempotent-replayed: true" >&2
     fi
     made0=$(payments)
@@ -166,7 +175,8 @@ for mode in $MODES; do
       OPS[$mode.$c]="- "
     fi
     [ "$bad" != 0 ] && echo "warning: $mode/$c: $bad responses were not 2xx" >&2
-    if [ "$c" != get ]; then
+    # Counted for payments only (GET /v1/debug/stats has no count of orders).
+    if [ "$c" != get ] && [ "$LOAD_POST_PATH" = /v1/payments ]; then
       # Handler runs per answered request (wrk counts answers; a run ends with requests in flight).
       RUNS[$mode.$c]+=$(awk -v a="$made1" -v b="$made0" -v n="$n" 'BEGIN {printf "%.3f ", (a-b)/n}')
       if [ "$mode" != bare ] && [ "$c" = replay ] && [ "$made1" != "$made0" ]; then
@@ -186,7 +196,7 @@ done
 done
 
 {
-  echo "wrk -t$THREADS -c$CONNS -d${SECS}s, $ROUNDS round(s) (medians), shop with CARD_LATENCY_MS=0, $(date -u +%FT%TZ), load average $(cut -d' ' -f1-3 /proc/loadavg)"
+  echo "wrk -t$THREADS -c$CONNS -d${SECS}s, $ROUNDS round(s) (medians), shop with CARD_LATENCY_MS=0, POST cases on $LOAD_POST_PATH, $(date -u +%FT%TZ), load average $(cut -d' ' -f1-3 /proc/loadavg)"
   echo
   echo "| store | case | req/s | p50 ms | p99 ms | vs bare (req/s) | p99 vs bare | shop CPU µs/request | store server CPU µs/request | store calls/request (Redis: commands incl. inside scripts; Postgres: transactions) | handler runs/request |"
   echo "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
