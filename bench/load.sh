@@ -10,7 +10,15 @@
 # bare shop of the same round, which cancels the machine's drift), LOAD_SECONDS (per run,
 # default 10), LOAD_CONNECTIONS (64), LOAD_THREADS (2),
 # LOAD_MODES (bare noop memory redis postgres; noop is the shop behind a tower layer that does
-# nothing, GET only: what any layer on an axum Router costs), REDIS_URL (redis://127.0.0.1:6379),
+# nothing, GET only: what any layer on an axum Router costs; `idempotent`, never a default, is
+# the same shop handlers behind the `idempotent` 2.0 crate's middleware on its Redis store,
+# served by the separate crate bench/peer, built here with `--ignore-rust-version` when the mode
+# is selected: LOAD_MODES="bare redis idempotent" compares the two Redis stores in one run),
+# REDIS_URL (redis://127.0.0.1:6379; a private server is better, e.g. redis-server --port 16392),
+# LOAD_POST (payments: the POST cases hit POST /v1/payments, whose handler saves two recovery
+# points through the layer's context, which no other middleware offers, so only the shop's
+# own layer makes those store calls; orders: POST /v1/orders, a handler that reads only its
+# body, the same work behind every middleware),
 # POSTGRES_URL (postgres://postgres@127.0.0.1:5432/test), LOAD_OUT (a markdown file to
 # write the table to). wrk comes from Debian's `wrk` package (installed when missing).
 set -euo pipefail
@@ -24,6 +32,11 @@ MODES=${LOAD_MODES:-bare noop memory redis postgres}
 REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379}
 POSTGRES_URL=${POSTGRES_URL:-postgres://postgres@127.0.0.1:5432/test}
 RUN_ID="$(date +%s)-$$"
+case "${LOAD_POST:-payments}" in
+  payments) export LOAD_POST_PATH=/v1/payments LOAD_POST_BODY='{"amount": 1999, "currency": "eur"}' ;;
+  orders) export LOAD_POST_PATH=/v1/orders LOAD_POST_BODY='{"items": [{"sku": "sku-1", "qty": 1}]}' ;;
+  *) echo "LOAD_POST=${LOAD_POST}: expected payments or orders" >&2; exit 1 ;;
+esac
 
 if ! command -v wrk >/dev/null; then
   echo "installing wrk (Debian package)" >&2
@@ -33,6 +46,12 @@ fi
 echo "building the shop (release)..." >&2
 cargo build --release --quiet --example shop --features axum,redis,postgres
 SHOP="${CARGO_TARGET_DIR:-target}/release/examples/shop"
+PEER=""
+if [[ " $MODES " == *" idempotent "* ]]; then
+  echo "building the peer shop, idempotent 2.0 (release, bench/peer)..." >&2
+  cargo build --release --quiet --ignore-rust-version --manifest-path bench/peer/Cargo.toml
+  PEER="bench/peer/target/release/peer-shop"
+fi
 
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 ADDR="127.0.0.1:$port"
@@ -45,12 +64,13 @@ start_shop() { # $1 = mode
   case "$1" in
     bare|noop) store=memory ;;
     memory) store=memory ;;
-    redis) store=$REDIS_URL ;;
+    redis|idempotent) store=$REDIS_URL ;;
     postgres) store=$POSTGRES_URL ;;
   esac
+  local bin=$SHOP; [ "$1" = idempotent ] && bin=$PEER
   SHOP_ADDR=$ADDR CARD_LATENCY_MS=0 IDEMPOTENCY_TTL_SECS=600 RUST_LOG=warn \
-    SHOP_IDEMPOTENCY=$(case "$1" in bare) echo off ;; noop) echo noop ;; *) echo on ;; esac) IDEMPOTENCY_STORE=$store \
-    "$SHOP" >/tmp/load-shop-$1.log 2>&1 &
+    SHOP_IDEMPOTENCY=$(case "$1" in bare) echo off ;; noop) echo noop ;; idempotent) echo idempotent ;; *) echo on ;; esac) IDEMPOTENCY_STORE=$store \
+    "$bin" >/tmp/load-shop-$1.log 2>&1 &
   pid=$!
   for _ in $(seq 100); do
     curl -fs "http://$ADDR/v1/charges" >/dev/null 2>&1 && return 0
@@ -72,7 +92,7 @@ stop_shop() {
 # so socket reads do not count them.
 store_ops() {
   case "$1" in
-    redis) redis-cli -u "$REDIS_URL" info commandstats | awk -F'[=,:]' '/^cmdstat_/ {s+=$3} END {print s+0}' ;;
+    redis|idempotent) redis-cli -u "$REDIS_URL" info commandstats | awk -F'[=,:]' '/^cmdstat_/ {s+=$3} END {print s+0}' ;;
     postgres) psql -Atq "$POSTGRES_URL" -c "select xact_commit + xact_rollback from pg_stat_database where datname = current_database()" ;;
     *) echo 0 ;;
   esac
@@ -82,9 +102,10 @@ store_ops() {
 # The server side: redis-server's one process, or every postgres process (the shop's pooled
 # backends live for the whole run, so none is lost between two readings).
 ticks() { for p in "$@"; do awk '{print $14+$15+$16+$17}' "/proc/$p/stat" 2>/dev/null; done | awk '{s+=$1} END {print s+0}'; }
+# The Redis server is the one REDIS_URL names (its process_id), not any redis-server running.
 server_pids() {
   case "$1" in
-    redis) pgrep -x redis-server | head -1 ;;
+    redis|idempotent) redis-cli -u "$REDIS_URL" info server | awk -F: '/^process_id:/ {print $2+0}' ;;
     postgres) pgrep -x postgres ;;
   esac
 }
@@ -95,8 +116,8 @@ run_wrk() { # $1 = mode, $2 = case
   local args=(-t"$THREADS" -c"$CONNS" -d"${SECS}s" --latency)
   case "$2" in
     get) args+=("http://$ADDR/v1/charges") ;;
-    unique) args+=(-s bench/unique.lua "http://$ADDR/v1/payments") ;;
-    replay) args+=(-s bench/replay.lua "http://$ADDR/v1/payments") ;;
+    unique) args+=(-s bench/unique.lua "http://$ADDR$LOAD_POST_PATH") ;;
+    replay) args+=(-s bench/replay.lua "http://$ADDR$LOAD_POST_PATH") ;;
   esac
   wrk "${args[@]}" | awk '
     function ms(v) { if (v ~ /us$/) return v/1000; if (v ~ /ms$/) return v+0; if (v ~ /s$/) return v*1000; return v }
@@ -107,8 +128,12 @@ run_wrk() { # $1 = mode, $2 = case
     END {printf "%s %.3f %.3f %s %s\n", rps, p50, p99, n, bad+0}'
 }
 
+# Payments the shop's handler created so far (GET /v1/debug/stats, outside any layer's keyed
+# path): a replay must not run it, a new key must.
+payments() { curl -fs "http://$ADDR/v1/debug/stats" | python3 -c 'import json,sys; print(json.load(sys.stdin)["payments_created"])'; }
+
 # Each entry is a list, one value per round.
-declare -A RPS P50 P99 OPS SHOPCPU SRVCPU RSS
+declare -A RPS P50 P99 OPS SHOPCPU SRVCPU RSS RUNS
 # The median of a space-separated list; "-" (no figure) when the list is empty or holds one.
 median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '$1=="-" {dash=1} {v[NR]=$1} END {if (NR==0 || dash) print "-"; else if (NR%2) print v[(NR+1)/2]; else print (v[NR/2]+v[NR/2+1])/2}'; }
 for round in $(seq "$ROUNDS"); do
@@ -118,30 +143,51 @@ export LOAD_RUN="$RUN_ID-$round"
 [ "$ROUNDS" -gt 1 ] && echo "round $round of $ROUNDS" >&2
 for mode in $MODES; do
   case "$mode" in
-    redis) redis-cli -u "$REDIS_URL" ping >/dev/null 2>&1 || { echo "skipping redis: $REDIS_URL does not answer" >&2; continue; } ;;
+    redis|idempotent) redis-cli -u "$REDIS_URL" ping >/dev/null 2>&1 || { echo "skipping $mode: $REDIS_URL does not answer" >&2; continue; } ;;
     postgres) psql -Atq "$POSTGRES_URL" -c 'select 1' >/dev/null 2>&1 || { echo "skipping postgres: $POSTGRES_URL does not answer" >&2; continue; } ;;
   esac
   start_shop "$mode"
   cases="get unique replay"; [ "$mode" = noop ] && cases=get
   for c in $cases; do
     # Replays: one connection first completes the 256 keys the measured run cycles over.
-    [ "$c" = replay ] && wrk -t1 -c1 -d2s -s bench/replay.lua "http://$ADDR/v1/payments" >/dev/null
+    [ "$c" = replay ] && wrk -t1 -c1 -d2s -s bench/replay.lua "http://$ADDR$LOAD_POST_PATH" >/dev/null
+    if [ "$c" = replay ] && [ "$mode" != bare ]; then
+      # One of the warm keys again, by hand: the answer must say it is a replay.
+      curl -fsi -X POST "http://$ADDR$LOAD_POST_PATH" -H "Idempotency-Key: r-$LOAD_RUN-1" \
+        -H 'Content-Type: application/json' -d "$LOAD_POST_BODY" \
+        | grep -qi '^idempotent-replayed: true' || echo "warning: $mode: a warm key's answer has no idempotent-replayed: true" >&2
+    fi
+    made0=$(payments)
     before=$(store_ops "$mode")
     srv=$(server_pids "$mode"); cpu0=$(ticks "$pid"); srv0=$(ticks $srv)
     read -r rps p50 p99 n bad < <(run_wrk "$mode" "$c")
     cpu1=$(ticks "$pid"); srv1=$(ticks $srv)
     after=$(store_ops "$mode")
+    made1=$(payments)
     # Microseconds of CPU per request: the shop's, and the store server's.
     SHOPCPU[$mode.$c]+=$(awk -v a="$cpu1" -v b="$cpu0" -v n="$n" -v hz="$HZ" 'BEGIN {printf "%.1f ", (a-b)*1e6/hz/n}')
     SRVCPU[$mode.$c]+=$(awk -v a="$srv1" -v b="$srv0" -v n="$n" -v hz="$HZ" -v s="$srv" 'BEGIN {if (s=="") printf "- "; else printf "%.1f ", (a-b)*1e6/hz/n}')
     RPS[$mode.$c]+="$rps "; P50[$mode.$c]+="$p50 "; P99[$mode.$c]+="$p99 "
-    if [ "$mode" = redis ] || [ "$mode" = postgres ]; then
+    if [ "$mode" = redis ] || [ "$mode" = idempotent ] || [ "$mode" = postgres ]; then
       # The store_ops probe itself is one command (Redis INFO) or transaction.
       OPS[$mode.$c]+=$(awk -v a="$after" -v b="$before" -v n="$n" 'BEGIN {printf "%.2f ", (a-b-1)/n}')
     else
       OPS[$mode.$c]="- "
     fi
     [ "$bad" != 0 ] && echo "warning: $mode/$c: $bad responses were not 2xx" >&2
+    # Counted for payments only (GET /v1/debug/stats has no count of orders).
+    if [ "$c" != get ] && [ "$LOAD_POST_PATH" = /v1/payments ]; then
+      # Handler runs per answered request (wrk counts answers; a run ends with requests in flight).
+      RUNS[$mode.$c]+=$(awk -v a="$made1" -v b="$made0" -v n="$n" 'BEGIN {printf "%.3f ", (a-b)/n}')
+      if [ "$mode" != bare ] && [ "$c" = replay ] && [ "$made1" != "$made0" ]; then
+        echo "warning: $mode/replay: the handler ran $((made1 - made0)) times" >&2
+      fi
+      if [ "$c" = unique ] && [ $((made1 - made0)) -lt "$n" ]; then
+        echo "warning: $mode/unique: $n answers but $((made1 - made0)) handler runs" >&2
+      fi
+    else
+      RUNS[$mode.$c]="- "
+    fi
     echo "$mode $c: $rps req/s, p50 ${p50} ms, p99 ${p99} ms, $bad non-2xx" >&2
   done
   stop_shop
@@ -150,10 +196,10 @@ done
 done
 
 {
-  echo "wrk -t$THREADS -c$CONNS -d${SECS}s, $ROUNDS round(s) (medians), shop with CARD_LATENCY_MS=0, $(date -u +%FT%TZ), load average $(cut -d' ' -f1-3 /proc/loadavg)"
+  echo "wrk -t$THREADS -c$CONNS -d${SECS}s, $ROUNDS round(s) (medians), shop with CARD_LATENCY_MS=0, POST cases on $LOAD_POST_PATH, $(date -u +%FT%TZ), load average $(cut -d' ' -f1-3 /proc/loadavg)"
   echo
-  echo "| store | case | req/s | p50 ms | p99 ms | vs bare (req/s) | p99 vs bare | shop CPU µs/request | store server CPU µs/request | store calls/request (Redis: commands incl. inside scripts; Postgres: transactions) |"
-  echo "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+  echo "| store | case | req/s | p50 ms | p99 ms | vs bare (req/s) | p99 vs bare | shop CPU µs/request | store server CPU µs/request | store calls/request (Redis: commands incl. inside scripts; Postgres: transactions) | handler runs/request |"
+  echo "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
   for mode in $MODES; do
     for c in get unique replay; do
       [ -n "${RPS[$mode.$c]:-}" ] || continue
@@ -166,7 +212,7 @@ done
       ratio=$(fmt "$ratio" 2); [ "$ratio" != - ] && ratio="${ratio}x"
       p99r=$(fmt "$p99r" 2); [ "$p99r" != - ] && p99r="${p99r}x"
       name=$c; [ "$c" = get ] && name="GET pass-through"; [ "$c" = unique ] && name="POST, new key"; [ "$c" = replay ] && name="POST, replay"
-      echo "| $mode | $name | $(fmt "$(median <<<"${RPS[$mode.$c]}")" 0) | $(fmt "$(median <<<"${P50[$mode.$c]}")" 3) | $(fmt "$(median <<<"${P99[$mode.$c]}")" 3) | $ratio | $p99r | $(fmt "$(median <<<"${SHOPCPU[$mode.$c]}")" 1) | $(fmt "$(median <<<"${SRVCPU[$mode.$c]}")" 1) | $(fmt "$(median <<<"${OPS[$mode.$c]}")" 2) |"
+      echo "| $mode | $name | $(fmt "$(median <<<"${RPS[$mode.$c]}")" 0) | $(fmt "$(median <<<"${P50[$mode.$c]}")" 3) | $(fmt "$(median <<<"${P99[$mode.$c]}")" 3) | $ratio | $p99r | $(fmt "$(median <<<"${SHOPCPU[$mode.$c]}")" 1) | $(fmt "$(median <<<"${SRVCPU[$mode.$c]}")" 1) | $(fmt "$(median <<<"${OPS[$mode.$c]}")" 2) | $(fmt "$(median <<<"${RUNS[$mode.$c]}")" 3) |"
     done
   done
   echo

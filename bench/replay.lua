@@ -1,10 +1,12 @@
--- POST /v1/payments cycling over 256 keys that the warm-up already completed: replays.
+-- POST /v1/payments (or LOAD_POST_PATH) cycling over 256 keys that the warm-up already completed: replays.
 local n = 0
 local run = os.getenv("LOAD_RUN") or tostring(os.time())
-local body = '{"amount": 1999, "currency": "eur"}'
+-- LOAD_POST_PATH and LOAD_POST_BODY (set by load.sh's LOAD_POST) pick the route.
+local path = os.getenv("LOAD_POST_PATH") or "/v1/payments"
+local body = os.getenv("LOAD_POST_BODY") or '{"amount": 1999, "currency": "eur"}'
 function request()
   n = n + 1
-  return wrk.format("POST", "/v1/payments", {
+  return wrk.format("POST", path, {
     ["Idempotency-Key"] = "r-" .. run .. "-" .. (n % 256),
     ["Content-Type"] = "application/json",
   }, body)

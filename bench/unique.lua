@@ -1,4 +1,4 @@
--- POST /v1/payments with a new Idempotency-Key on every request.
+-- POST /v1/payments (or LOAD_POST_PATH) with a new Idempotency-Key on every request.
 local threads = 0
 function setup(thread)
   threads = threads + 1
@@ -6,10 +6,12 @@ function setup(thread)
 end
 local n = 0
 local run = os.getenv("LOAD_RUN") or tostring(os.time())
-local body = '{"amount": 1999, "currency": "eur"}'
+-- LOAD_POST_PATH and LOAD_POST_BODY (set by load.sh's LOAD_POST) pick the route.
+local path = os.getenv("LOAD_POST_PATH") or "/v1/payments"
+local body = os.getenv("LOAD_POST_BODY") or '{"amount": 1999, "currency": "eur"}'
 function request()
   n = n + 1
-  return wrk.format("POST", "/v1/payments", {
+  return wrk.format("POST", path, {
     ["Idempotency-Key"] = "u-" .. run .. "-" .. tid .. "-" .. n,
     ["Content-Type"] = "application/json",
   }, body)

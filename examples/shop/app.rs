@@ -46,7 +46,7 @@ pub(crate) struct Shop {
 }
 
 impl Shop {
-    fn new(card_latency: Duration) -> Self {
+    pub(crate) fn new(card_latency: Duration) -> Self {
         Self::with_options(card_latency, ShopOptions::default())
     }
 
@@ -145,7 +145,9 @@ pub(crate) fn noop_layer_app(config: ShopConfig) -> Router {
         .with_state(Arc::new(Shop::new(config.card_latency)))
 }
 
-fn routes() -> Router<Arc<Shop>> {
+/// The shop's routes, before the layers and the state (also served behind another crate's
+/// middleware by `bench/peer`).
+pub(crate) fn routes() -> Router<Arc<Shop>> {
     Router::new()
         .route("/v1/payments", post(create_payment))
         .route("/v1/orders", post(create_order))
@@ -160,7 +162,7 @@ pub(crate) struct Principal(pub(crate) String);
 /// A demo auth layer: `X-Api-Key` names the caller. A real service would look the key up;
 /// this one only checks its form. No key is the anonymous caller (so the README's curl
 /// walk-through works); a malformed or repeated one is 401, never the anonymous caller.
-async fn authenticate(mut req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+pub(crate) async fn authenticate(mut req: axum::extract::Request, next: axum::middleware::Next) -> Response {
     let mut keys = req.headers().get_all("x-api-key").iter();
     let principal = match (keys.next(), keys.next()) {
         (None, _) => Principal("anonymous".to_owned()),
