@@ -162,7 +162,10 @@ pub(crate) struct Principal(pub(crate) String);
 /// A demo auth layer: `X-Api-Key` names the caller. A real service would look the key up;
 /// this one only checks its form. No key is the anonymous caller (so the README's curl
 /// walk-through works); a malformed or repeated one is 401, never the anonymous caller.
-pub(crate) async fn authenticate(mut req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+pub(crate) async fn authenticate(
+    mut req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
     let mut keys = req.headers().get_all("x-api-key").iter();
     let principal = match (keys.next(), keys.next()) {
         (None, _) => Principal("anonymous".to_owned()),
