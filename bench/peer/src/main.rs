@@ -67,7 +67,9 @@ async fn run() -> Result<(), common::BoxError> {
                 .layer(axum::middleware::from_fn(app::authenticate))
                 .with_state(Arc::new(app::Shop::new(card_latency)))
         }
-        Ok(other) => return Err(format!("SHOP_IDEMPOTENCY={other:?}: expected idempotent or off").into()),
+        Ok(other) => {
+            return Err(format!("SHOP_IDEMPOTENCY={other:?}: expected idempotent or off").into())
+        }
     };
     let listener = tokio::net::TcpListener::bind(&addr).await?;
     tracing::info!("peer shop listening on http://{addr}");
@@ -78,7 +80,9 @@ async fn run() -> Result<(), common::BoxError> {
 /// `IDEMPOTENCY_TTL_SECS`, as examples/common reads it for the shop.
 fn ttl_secs() -> Result<u64, common::BoxError> {
     match std::env::var("IDEMPOTENCY_TTL_SECS") {
-        Ok(v) => v.parse().map_err(|e| format!("IDEMPOTENCY_TTL_SECS={v:?}: {e}").into()),
+        Ok(v) => v
+            .parse()
+            .map_err(|e| format!("IDEMPOTENCY_TTL_SECS={v:?}: {e}").into()),
         Err(_) => Ok(86_400),
     }
 }
