@@ -287,3 +287,56 @@ fn a_json_fingerprint_keeps_its_value() {
         assert_eq!(got, want);
     }
 }
+
+#[test]
+fn media_type_fingerprints_keep_their_values() {
+    // Pinned digests, one per way a `Content-Type` is read: a change to how media types are
+    // normalised must not move a recorded fingerprint.
+    let cases: &[(&[&str], &[u8])] = &[
+        (&[], b"abc"),
+        (&["application/json"], br#"{"b": 1, "a": [true, null]}"#),
+        (&["Application/JSON ; Charset=UTF-8"], br#"{"a": 1}"#),
+        (&["application/problem+json"], br#"{"a": 1}"#),
+        (
+            &["application/json; a=1; B=\"x \\\"y\\\"\"; ;"],
+            br#"{"a": 1}"#,
+        ),
+        (&["application/x-www-form-urlencoded"], b"b=2&a=1"),
+        (
+            &["application/x-www-form-urlencoded; charset=ISO-8859-1"],
+            b"a=%E9",
+        ),
+        (&["text/plain; charset=\"UTF-8\"; format=flowed"], b"hi"),
+        (&["text/plain; charset=\"unterminated"], b"hi"),
+        (&["no-slash"], b"{}"),
+        (&["application/json", "text/plain"], b"{}"),
+        (&["application/json;x"], b"{}"),
+    ];
+    let want = [
+        "56ec4f02900c466e2dd9a8329385fb3a13735a9ec3f074a2bcc766862e9ba692",
+        "e371627ad61c87f8ec330ef1c0f6ca9d6b894532d9efec07d39f64568de6ff78",
+        "7b3de2029b463f46291a7070c0c95768f55a0d025f213c1f7901b46f51b922f0",
+        "b7b6497ba39e5c053010f0f0200fc37ac32faef37cac7ec9855d747cf1c88050",
+        "be3c6528bf6ccc43c7b5db7e8b2c18ac9af6b5f338d1601dd3cb31c0902147d4",
+        "732d347807b8ca9e41f33b9a8dd17b5f69aa7c72411e0e277789f3292d59d876",
+        "2dc546a04807060920417842b6c29ab23f07c8c6141510685992018d70a287b5",
+        "1e5e5c38f89d3938b37c56b7e629ff614212582b5bb2227f79a3f79cb511c5e0",
+        "333ff1ee76a234ab156148acabaebc8e57058bec5189df26e97a533054aa8cf9",
+        "508dd74dbc520a596382633a3633c31aa77209e3671fb860132ebcee9b008e3c",
+        "c9ca55a171d24ba2a452f2829b56c6629b309eb41fa80a9d77fe00ef8a7a0454",
+        "98e01cdaabb31eb34d309abfc0aaf3a088390d3a161eae00bae75bae900edc16",
+    ];
+    let got: Vec<String> = cases
+        .iter()
+        .map(|(types, body)| {
+            let mut req = http::Request::post("/v1/things");
+            for t in *types {
+                req = req.header("content-type", *t);
+            }
+            let (parts, ()) = req.body(()).unwrap().into_parts();
+            let fp = fingerprint(&parts, &parts.uri, body, &Fingerprinting::default());
+            crate::record::hex(fp.as_bytes())
+        })
+        .collect();
+    assert_eq!(got, want, "{got:#?}");
+}
