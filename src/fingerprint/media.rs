@@ -14,28 +14,16 @@ use super::framing::{frame, BodyKind};
 /// is empty; several field lines, or one that does not parse, are hashed as sent.
 pub(super) fn media_type(headers: &HeaderMap) -> (Vec<u8>, BodyKind) {
     let mut lines = headers.get_all(CONTENT_TYPE).iter();
-    let mut out = Vec::new();
     let (first, second) = (lines.next(), lines.next());
     let Some(first) = first else {
-        return (out, BodyKind::Raw);
+        return (Vec::new(), BodyKind::Raw);
     };
+    let mut out = Vec::with_capacity(32 + first.len());
     if second.is_none() {
-        if let Some((essence, params)) = parse_media_type(first.as_bytes()) {
-            out.push(b'm');
-            frame(&mut out, essence.as_bytes());
-            for (name, value) in &params {
-                frame(&mut out, name.as_bytes());
-                frame(&mut out, value);
-            }
-            let kind = if essence == "application/json" || essence.ends_with("+json") {
-                BodyKind::Json
-            } else if essence == "application/x-www-form-urlencoded" {
-                BodyKind::Form
-            } else {
-                BodyKind::Raw
-            };
+        if let Some(kind) = normalise_media_type(first.as_bytes(), &mut out) {
             return (out, kind);
         }
+        out.clear();
     }
     out.push(b'r');
     for line in headers.get_all(CONTENT_TYPE) {
@@ -44,24 +32,26 @@ pub(super) fn media_type(headers: &HeaderMap) -> (Vec<u8>, BodyKind) {
     (out, BodyKind::Raw)
 }
 
-type Params = Vec<(String, Vec<u8>)>;
-
 fn is_tchar(b: u8) -> bool {
     b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
 }
 
-fn parse_media_type(v: &[u8]) -> Option<(String, Params)> {
+/// Writes `m`, the framed essence and the framed, sorted parameters of `v` to `out`, or
+/// returns `None` (with `out` partly written) when `v` does not parse. Tokens are ASCII, so
+/// they are lower-cased as they are copied: a media type without parameters costs one
+/// allocation.
+fn normalise_media_type(v: &[u8], out: &mut Vec<u8>) -> Option<BodyKind> {
     let ows = |i: &mut usize| {
         while let Some(b' ' | b'\t') = v.get(*i) {
             *i += 1;
         }
     };
-    let token = |i: &mut usize| -> Option<String> {
+    let token = |i: &mut usize| -> Option<&[u8]> {
         let start = *i;
         while v.get(*i).is_some_and(|&b| is_tchar(b)) {
             *i += 1;
         }
-        (*i > start).then(|| String::from_utf8_lossy(&v[start..*i]).to_ascii_lowercase())
+        (*i > start).then(|| &v[start..*i])
     };
     let mut i = 0;
     ows(&mut i);
@@ -71,8 +61,21 @@ fn parse_media_type(v: &[u8]) -> Option<(String, Params)> {
     }
     i += 1;
     let sub = token(&mut i)?;
-    let essence = format!("{ty}/{sub}");
-    let mut params = Params::new();
+    out.push(b'm');
+    out.extend_from_slice(&((ty.len() + 1 + sub.len()) as u64).to_be_bytes());
+    let at = out.len();
+    out.extend(ty.iter().map(u8::to_ascii_lowercase));
+    out.push(b'/');
+    out.extend(sub.iter().map(u8::to_ascii_lowercase));
+    let essence = &out[at..];
+    let kind = if essence == b"application/json" || essence.ends_with(b"+json") {
+        BodyKind::Json
+    } else if essence == b"application/x-www-form-urlencoded" {
+        BodyKind::Form
+    } else {
+        BodyKind::Raw
+    };
+    let mut params: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
     loop {
         ows(&mut i);
         match v.get(i) {
@@ -84,7 +87,7 @@ fn parse_media_type(v: &[u8]) -> Option<(String, Params)> {
         if matches!(v.get(i), None | Some(b';')) {
             continue; // empty parameter
         }
-        let name = token(&mut i)?;
+        let name = token(&mut i)?.to_ascii_lowercase();
         if v.get(i) != Some(&b'=') {
             return None;
         }
@@ -107,19 +110,19 @@ fn parse_media_type(v: &[u8]) -> Option<(String, Params)> {
             }
             i += 1;
         } else {
-            let start = i;
-            while v.get(i).is_some_and(|&b| is_tchar(b)) {
-                i += 1;
-            }
-            value.extend_from_slice(&v[start..i]);
+            value.extend_from_slice(token(&mut i).unwrap_or_default());
         }
-        if name == "charset" {
+        if name == b"charset" {
             value.make_ascii_lowercase();
         }
         params.push((name, value));
     }
     params.sort_by(|a, b| a.0.cmp(&b.0));
-    Some((essence, params))
+    for (name, value) in &params {
+        frame(out, name);
+        frame(out, value);
+    }
+    Some(kind)
 }
 
 /// The `Content-Encoding` codings in order, lower-cased, framed; `identity` (a no-op) and
