@@ -9,7 +9,9 @@
 #   CALLGRIND_OUT=/tmp/cg bash bench/callgrind.sh on unique   # and keep the profiles
 #
 # Modes: off (no layer), noop (a tower layer that does nothing), on (the idempotency layer on
-# the memory store). Cases: get (pass-through), unique (a new key each), replay.
+# the memory store). Cases: get (pass-through), unique (a new key each), replay, all three on
+# /v1/payments; order and order-replay, the same on /v1/orders, whose handler does the same
+# work with and without the layer (bench/client.py).
 # Under valgrind sha2 runs its portable code (no SHA extensions), so SHA-256 weighs several
 # times more here than on the CPU.
 set -euo pipefail
@@ -47,3 +49,4 @@ echo "|---|---|---:|"
 if [ $# -eq 2 ]; then run "$1" "$2"; exit; fi
 run off get; run noop get; run on get
 run off unique; run on unique; run on replay
+run off order; run on order; run on order-replay
