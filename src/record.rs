@@ -29,21 +29,18 @@ impl RecordId {
     /// Each part is length-prefixed, so `("ab", "c")` and `("a", "bc")` differ, and the
     /// unscoped space differs from every named scope, the empty one included.
     pub fn new(scope: Option<&str>, key: &str) -> Self {
-        Self::in_scope(&ScopeId::new(scope), scope, key)
+        Self::after_header(record_header(scope), &ScopeId::new(scope), key)
     }
 
-    /// [`new`](Self::new), with the scope's id already derived (the layer needs both).
-    pub(crate) fn in_scope(scope_id: &ScopeId, scope: Option<&str>, key: &str) -> Self {
-        let mut h = Sha256::new();
-        h.update(b"tower-idempotency record v2\0");
-        match scope {
-            None => h.update([0u8]),
-            Some(s) => {
-                h.update([1u8]);
-                h.update((s.len() as u64).to_be_bytes());
-                h.update(s.as_bytes());
-            }
-        }
+    /// The scope id and the record id of `key` within `scope`, from this thread's cache of
+    /// recent scopes: the layer needs both, and a cached header leaves one SHA-256 block to
+    /// hash for a key of up to 47 bytes.
+    pub(crate) fn cached(scope: Option<&str>, key: &str) -> (ScopeId, Self) {
+        let (scope_id, header) = cached_scope(scope);
+        (scope_id, Self::after_header(header, &scope_id, key))
+    }
+
+    fn after_header(mut h: Sha256, scope_id: &ScopeId, key: &str) -> Self {
         h.update((key.len() as u64).to_be_bytes());
         h.update(key.as_bytes());
         let mut id: [u8; 32] = h.finalize().into();
@@ -94,34 +91,6 @@ impl ScopeId {
         Self(h.finalize().into())
     }
 
-    /// [`new`](Self::new), remembered: the unscoped id once per process, a named scope's
-    /// for the last few scopes this thread saw. A layer meets the same few scopes request
-    /// after request, and each would cost a SHA-256 block.
-    pub(crate) fn cached(scope: Option<&str>) -> Self {
-        static UNSCOPED: std::sync::OnceLock<ScopeId> = std::sync::OnceLock::new();
-        let Some(s) = scope else {
-            return *UNSCOPED.get_or_init(|| Self::new(None));
-        };
-        // Gone only while the thread exits: then computed.
-        SCOPE_IDS
-            .try_with(|cache| {
-                let mut cache = cache.borrow_mut();
-                if let Some((_, id)) = cache.entries.iter().find(|(name, _)| &**name == s) {
-                    return *id;
-                }
-                let id = Self::new(scope);
-                let slot = cache.next;
-                cache.next = (slot + 1) % SCOPE_CACHE;
-                if slot < cache.entries.len() {
-                    cache.entries[slot] = (s.into(), id);
-                } else {
-                    cache.entries.push((s.into(), id));
-                }
-                id
-            })
-            .unwrap_or_else(|_| Self::new(scope))
-    }
-
     /// Wraps 32 bytes read back from a store.
     pub const fn from_bytes(bytes: [u8; 32]) -> Self {
         Self(bytes)
@@ -138,19 +107,85 @@ impl ScopeId {
     }
 }
 
-/// How many scopes' ids a thread remembers: replaced in turn, so a thread serving many
-/// tenants costs a few string compares more than it saves, never a growing table.
+/// The record id's hasher after its header: the prefix and the framed scope, then zero bytes
+/// up to a whole number of SHA-256 blocks. The framing fixes the header's length, so the
+/// padding is unambiguous, and a hasher kept at that point has compressed the header: what
+/// is left is the key's length and the key, one block for keys of up to 47 bytes
+/// (64 - 8 for the length - 9 for SHA-256's own padding).
+fn record_header(scope: Option<&str>) -> Sha256 {
+    const PREFIX: &[u8] = b"tower-idempotency record v3\0";
+    let mut h = Sha256::new();
+    h.update(PREFIX);
+    let framed = match scope {
+        None => {
+            h.update([0u8]);
+            1
+        }
+        Some(s) => {
+            h.update([1u8]);
+            h.update((s.len() as u64).to_be_bytes());
+            h.update(s.as_bytes());
+            9 + s.len()
+        }
+    };
+    let pad = (64 - (PREFIX.len() + framed) % 64) % 64;
+    h.update(&[0u8; 64][..pad]);
+    h
+}
+
+/// The scope's id and its record header, remembered: the unscoped ones once per process, a
+/// named scope's for the last few scopes this thread saw. A layer meets the same few scopes
+/// request after request, and each would cost two SHA-256 blocks.
+fn cached_scope(scope: Option<&str>) -> (ScopeId, Sha256) {
+    static UNSCOPED: std::sync::OnceLock<(ScopeId, Sha256)> = std::sync::OnceLock::new();
+    let derive = || (ScopeId::new(scope), record_header(scope));
+    let Some(s) = scope else {
+        return UNSCOPED.get_or_init(derive).clone();
+    };
+    // Gone only while the thread exits: then computed.
+    SCOPES
+        .try_with(|cache| {
+            let mut cache = cache.borrow_mut();
+            if let Some(e) = cache.entries.iter().find(|e| &*e.name == s) {
+                return (e.id, e.header.clone());
+            }
+            let (id, header) = derive();
+            let entry = CachedScope {
+                name: s.into(),
+                id,
+                header: header.clone(),
+            };
+            let slot = cache.next;
+            cache.next = (slot + 1) % SCOPE_CACHE;
+            if slot < cache.entries.len() {
+                cache.entries[slot] = entry;
+            } else {
+                cache.entries.push(entry);
+            }
+            (id, header)
+        })
+        .unwrap_or_else(|_| derive())
+}
+
+/// How many scopes a thread remembers: replaced in turn, so a thread serving many tenants
+/// costs a few string compares more than it saves, never a growing table.
 const SCOPE_CACHE: usize = 8;
 
+struct CachedScope {
+    name: Box<str>,
+    id: ScopeId,
+    header: Sha256,
+}
+
 #[derive(Default)]
-struct ScopeIds {
-    entries: Vec<(Box<str>, ScopeId)>,
+struct Scopes {
+    entries: Vec<CachedScope>,
     /// The slot the next new scope takes.
     next: usize,
 }
 
 thread_local! {
-    static SCOPE_IDS: std::cell::RefCell<ScopeIds> = std::cell::RefCell::new(ScopeIds::default());
+    static SCOPES: std::cell::RefCell<Scopes> = std::cell::RefCell::new(Scopes::default());
 }
 
 impl fmt::Debug for ScopeId {
@@ -828,24 +863,58 @@ mod tests {
     }
 
     #[test]
-    fn cached_scope_ids_equal_derived_ones_past_the_cache_size() {
-        assert_eq!(ScopeId::cached(None), ScopeId::new(None));
+    fn cached_ids_equal_derived_ones_past_the_cache_size() {
+        let both =
+            |scope: Option<&str>, key: &str| (ScopeId::new(scope), RecordId::new(scope, key));
+        assert_eq!(RecordId::cached(None, "k"), both(None, "k"));
         let names: Vec<String> = (0..3 * SCOPE_CACHE)
             .map(|i| format!("tenant-{i}"))
             .collect();
         for round in 0..2 {
             for (i, name) in names.iter().enumerate() {
-                let want = ScopeId::new(Some(name));
+                let want = both(Some(name), "k");
                 assert_eq!(
-                    ScopeId::cached(Some(name)),
+                    RecordId::cached(Some(name), "k"),
                     want,
                     "round {round}, scope {i}"
                 );
-                // Hit while still remembered.
-                assert_eq!(ScopeId::cached(Some(name)), want);
+                // Hit while still remembered, for another key too.
+                assert_eq!(RecordId::cached(Some(name), "k"), want);
+                assert_eq!(RecordId::cached(Some(name), "k2"), both(Some(name), "k2"));
             }
         }
-        assert_ne!(ScopeId::cached(Some("")), ScopeId::cached(None));
+        assert_ne!(RecordId::cached(Some(""), "k"), RecordId::cached(None, "k"));
+    }
+
+    #[test]
+    fn record_ids_keep_their_values() {
+        // Stores keep record ids: a release that moved one would lose every record made
+        // before it. Scopes either side of a block boundary, keys either side of one block.
+        let long_scope = "s".repeat(27); // 28 + 9 + 27 = 64: no padding
+        let (s28, k47, k48) = ("s".repeat(28), "k".repeat(47), "k".repeat(48));
+        let cases = [
+            (None, "k"),
+            (Some(""), "k"),
+            (Some("shop"), "3f2b8c1e-9d4a-4b6f-a1c2-7e8d9f0a1b2c"),
+            (Some("shop"), k47.as_str()),
+            (Some("shop"), k48.as_str()),
+            (Some(long_scope.as_str()), "k"),
+            (Some(s28.as_str()), "k"),
+        ];
+        let got: Vec<String> = cases
+            .iter()
+            .map(|(scope, key)| RecordId::new(*scope, key).to_hex())
+            .collect();
+        let want = [
+            "84592e196c17861c8bbce8efd3989b8e40d659748ff7f27248297fde096ebdb0",
+            "a50d01db625705c3a56e61594adb5fc3643bca4bdcf9cb8e695a304184fde860",
+            "7deed18380b7eb2cf8f6464dd1e98e9b1324bc89161c52be867e5957c9ec705b",
+            "7deed1830234ff93e39a6cd5e952054cfbb7c597a5109cc7bd23e958ac27cc26",
+            "7deed183249d866c99265b5720981ac720e82923400e9f7f115e2cf24020b43f",
+            "0e9ba3cb4f07a004071beeb3908ad7902a31d2ef475f108b9f4112b75a3ccc9a",
+            "c6fa14e7aab44823649844c51dcd2eb2287393558fbaa4e131c9ece31f0f3b73",
+        ];
+        assert_eq!(got, want, "{got:#?}");
     }
 
     #[test]

@@ -357,8 +357,7 @@ impl Flow {
         #[cfg(not(feature = "axum"))]
         let target = &parts.uri;
         let fp = fingerprint(&parts, target, &bytes, &self.cfg.fingerprint);
-        let scope_id = ScopeId::cached(scope.as_deref());
-        let id = RecordId::in_scope(&scope_id, scope.as_deref(), &key);
+        let (scope_id, id) = RecordId::cached(scope.as_deref(), &key);
         let span = tracing::info_span!(
             "idempotency",
             record = %&id.to_hex()[..16],

@@ -60,10 +60,10 @@
 //! [`ScopeId`](crate::store::ScopeId): SHA-256 over `tower-idempotency scope v1\0`, then `0x00` for
 //! the unscoped space, or `0x01`, the scope's length in bytes (8 bytes, big-endian) and the
 //! scope. The `id` is the [`RecordId`](crate::store::RecordId): SHA-256 over
-//! `tower-idempotency record v2\0`, the scope framed in the same way, the key's length
-//! (8 bytes, big-endian) and the key; its first 4 bytes are then replaced by the first 4
-//! bytes of the scope id, so every record id begins with its scope's prefix, and 224 bits of
-//! the hash remain.
+//! `tower-idempotency record v3\0`, the scope framed in the same way, zero bytes up to the
+//! next multiple of 64 bytes, the key's length (8 bytes, big-endian) and the key; its first
+//! 4 bytes are then replaced by the first 4 bytes of the scope id, so every record id begins
+//! with its scope's prefix, and 224 bits of the hash remain.
 //!
 //! `migrate` also sets the table's storage settings, where the table has none of its own
 //! (so an operator's tuning survives restarts): `fillfactor = 80`, which leaves room on
@@ -586,7 +586,13 @@ mod tests {
                 h.update(p.as_bytes());
             }
         };
-        for scope in [None, Some(""), Some("tenant-a")] {
+        for scope in [
+            None,
+            Some(""),
+            Some("tenant-a"),
+            Some("s".repeat(27).as_str()),
+            Some("s".repeat(90).as_str()),
+        ] {
             let mut h = Sha256::new();
             h.update(b"tower-idempotency scope v1\0");
             framed(&mut h, scope);
@@ -595,8 +601,10 @@ mod tests {
 
             let key = "order-1042";
             let mut h = Sha256::new();
-            h.update(b"tower-idempotency record v2\0");
+            h.update(b"tower-idempotency record v3\0");
             framed(&mut h, scope);
+            let header = 28 + scope.map_or(1, |s| 9 + s.len());
+            h.update(vec![0u8; (64 - header % 64) % 64]);
             h.update((key.len() as u64).to_be_bytes());
             h.update(key.as_bytes());
             let mut id: [u8; 32] = h.finalize().into();
