@@ -206,13 +206,14 @@ impl fmt::Display for RecordId {
     }
 }
 
-/// The `v1` SHA-256 fingerprint of a request: method, path and query, media type with its
+/// The `v2` SHA-256 fingerprint of a request: method, path and query, media type with its
 /// parameters, `Content-Encoding`, canonical body (RFC 8785 JSON with exact numbers, form
 /// pairs sorted stably by name, or raw bytes) and chosen headers.
 ///
-/// `v1` is the first fingerprint any release computes; a release that changes what it
-/// covers or how bumps the version, and [`Display`](fmt::Display) prints it (`v1:` and 64
-/// hex digits).
+/// `v2` is the fingerprint the first release computes (`v1` differed only in not padding
+/// the method and path to a SHA-256 block, and was never released); a release that changes
+/// what it covers or how bumps the version, and [`Display`](fmt::Display) prints it (`v2:`
+/// and 64 hex digits).
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Fingerprint([u8; 32]);
 
@@ -236,7 +237,7 @@ impl fmt::Debug for Fingerprint {
 
 impl fmt::Display for Fingerprint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "v1:{}", hex(&self.0))
+        write!(f, "v2:{}", hex(&self.0))
     }
 }
 

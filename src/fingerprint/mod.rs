@@ -1,4 +1,4 @@
-//! The `v1` request fingerprint.
+//! The `v2` request fingerprint.
 //!
 //! Two JSON readers exist and must agree: the fast path (`json/fast.rs`) reads a body when no
 //! field is excluded, the general path (`json/general.rs`) when some are, and where no
@@ -142,7 +142,7 @@ impl JsonPointer {
     }
 }
 
-/// Computes the `v1` fingerprint of a request. `target` is the URI whose path and query are
+/// Computes the `v2` fingerprint of a request. `target` is the URI whose path and query are
 /// hashed: the one the client sent, which a nested router may have rewritten in `parts`.
 pub(crate) fn fingerprint(
     parts: &request::Parts,
@@ -206,26 +206,30 @@ pub(crate) fn fingerprint(
     Fingerprint::from_bytes(h.0.finalize().into())
 }
 
-/// The hasher after the prefix, the method and the path and query: the same for every request
-/// to one route, and over one SHA-256 block for most, so this thread keeps the state for its
-/// last few routes and starts from it. The digest is the same either way.
+/// The hasher after the prefix, the method and the path and query, zero-padded to a whole
+/// number of SHA-256 blocks: the same for every request to one route, so this thread keeps
+/// the state for its last few routes and starts from it, and the fields after it start on a
+/// block of their own (the padding never adds a block to what is left to hash; without it, a
+/// head just under a block would be hashed again with every request). The framing fixes the
+/// head's length, so the padding is unambiguous. The digest is the same either way.
 fn head(route_only: bool, method: &str, path: &str) -> Hasher {
     // A prefix of its own: a route-only fingerprint never equals a full one.
     let prefix: &[u8] = if route_only {
-        b"tower-idempotency fingerprint v1 route-only\0"
+        b"tower-idempotency fingerprint v2 route-only\0"
     } else {
-        b"tower-idempotency fingerprint v1\0"
+        b"tower-idempotency fingerprint v2\0"
     };
+    let fields = 16 + method.len() + path.len();
     let fresh = || {
         let mut h = Hasher(Sha256::new());
         h.0.update(prefix);
         h.field(method.as_bytes());
         h.field(path.as_bytes());
+        h.0.update(&[0u8; 64][..(64 - (prefix.len() + fields) % 64) % 64]);
         h
     };
-    let fields = 16 + method.len() + path.len();
-    // Under a block nothing is saved; a long target is not kept.
-    if prefix.len() + fields < 64 || fields > HEAD_KEY {
+    // A long target is not kept.
+    if fields > HEAD_KEY {
         return fresh();
     }
     let mut key = [0u8; HEAD_KEY];
