@@ -50,7 +50,7 @@ PEER=""
 if [[ " $MODES " == *" idempotent "* ]]; then
   echo "building the peer shop, idempotent 2.0 (release, bench/peer)..." >&2
   cargo build --release --quiet --ignore-rust-version --manifest-path bench/peer/Cargo.toml
-  PEER="bench/peer/target/release/peer-shop"
+  PEER="${CARGO_TARGET_DIR:-bench/peer/target}/release/peer-shop"
 fi
 
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
