@@ -251,13 +251,16 @@ enum Fault {
 async fn hit(topology: &mut Topology, fault: Fault) -> Instant {
     let old = topology.primary_port();
     match fault {
-        Fault::Crash => topology.primary_mut().stop(),
+        Fault::Crash => {
+            topology.primary_mut().stop();
+            tokio::task::block_in_place(|| {
+                topology.wait_for_new_primary(old, Duration::from_secs(30))
+            });
+        }
         Fault::Forced => {
-            let reply = topology.sentinels[0].cli(&["sentinel", "failover", MASTER]);
-            assert!(reply.contains("OK"), "SENTINEL FAILOVER: {reply}");
+            tokio::task::block_in_place(|| topology.force_failover());
         }
     }
-    tokio::task::block_in_place(|| topology.wait_for_new_primary(old, Duration::from_secs(30)));
     let promoted_at = Instant::now();
     if fault == Fault::Crash {
         // Back, empty: Sentinel turns it into a replica of the new primary.

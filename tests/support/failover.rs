@@ -18,6 +18,9 @@ pub const MASTER: &str = "tidem";
 /// the promotion (about 1 s on loopback).
 pub const DOWN_AFTER_MS: u64 = 1000;
 
+/// Sentinel's `failover-timeout`: how long a promotion may take before Sentinel gives it up.
+const FAILOVER_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// A primary, its replicas and three Sentinels.
 pub struct Topology {
     /// Every data node, the first one the primary at start.
@@ -42,8 +45,9 @@ impl Topology {
         let config = format!(
             "sentinel monitor {MASTER} 127.0.0.1 {port} 2\n\
              sentinel down-after-milliseconds {MASTER} {DOWN_AFTER_MS}\n\
-             sentinel failover-timeout {MASTER} 10000\n\
-             sentinel parallel-syncs {MASTER} {replicas}\n"
+             sentinel failover-timeout {MASTER} {}\n\
+             sentinel parallel-syncs {MASTER} {replicas}\n",
+            FAILOVER_TIMEOUT.as_millis()
         );
         let mut sentinels = Vec::new();
         for _ in 0..3 {
@@ -55,19 +59,72 @@ impl Topology {
     }
 
     /// Waits until every Sentinel agrees on one primary, sees `replicas` replicas of it and
-    /// the two other Sentinels.
+    /// the two other Sentinels, and every replica is one Sentinel may promote: online at the
+    /// primary, and to every Sentinel a plain `slave` (not down, not disconnected) whose link
+    /// to the primary is up. A node restarted after a crash counts among `num-slaves` as soon
+    /// as Sentinel reconfigures it, before it has synced; a forced failover that picks it
+    /// then waits out the whole failover timeout.
     pub fn wait_until_settled(&self, replicas: usize) {
         wait_for(Duration::from_secs(40), "Sentinels settled", || {
             let primaries: Vec<Option<u16>> = self.sentinels.iter().map(primary_port).collect();
-            primaries[0].is_some()
-                && primaries.iter().all(|p| *p == primaries[0])
+            let Some(primary) = primaries[0] else {
+                return false;
+            };
+            primaries.iter().all(|p| *p == Some(primary))
+                && count(
+                    &super::redis_harness::cli(primary, &["info", "replication"]),
+                    "state=online",
+                ) == replicas
                 && self.sentinels.iter().all(|s| {
                     let m = s.cli(&["sentinel", "master", MASTER]);
+                    let r = s.cli(&["sentinel", "replicas", MASTER]);
                     field(&m, "num-other-sentinels") == Some(2)
                         && field(&m, "num-slaves") == Some(replicas as u64)
                         && !m.contains("s_down")
+                        && values(&r, "flags").iter().filter(|f| *f == "slave").count() == replicas
+                        && values(&r, "master-link-status")
+                            .iter()
+                            .filter(|f| *f == "ok")
+                            .count()
+                            == replicas
                 })
         });
+    }
+
+    /// `SENTINEL FAILOVER`, until every Sentinel names a primary other than the one it
+    /// started from; returns the new primary's port. Sentinel aborts a forced failover whose
+    /// chosen replica does not report itself primary within `failover-timeout` (10 s here)
+    /// and never retries it by itself, the old primary being healthy: so each attempt waits
+    /// that long plus 5 s for the vote and the other Sentinels to learn of it, and then asks
+    /// again, three times in all (45 s at worst).
+    pub fn force_failover(&self) -> u16 {
+        let old = self.primary_port();
+        for attempt in 1..=3 {
+            let reply = self.sentinels[0].cli(&["sentinel", "failover", MASTER]);
+            // INPROG: an attempt the Sentinel still runs; waiting on it is what is wanted.
+            assert!(
+                reply.contains("OK") || reply.contains("INPROG"),
+                "SENTINEL FAILOVER, attempt {attempt}: {reply}"
+            );
+            let deadline = Instant::now() + FAILOVER_TIMEOUT + Duration::from_secs(5);
+            while Instant::now() < deadline {
+                if self.all_name_other_than(old) {
+                    return self.primary_port();
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            eprintln!(
+                "forced failover attempt {attempt} not seen by every Sentinel; Sentinel 0 says:\n{}",
+                self.sentinels[0].cli(&["sentinel", "replicas", MASTER])
+            );
+        }
+        panic!("a forced failover: no new primary after 3 attempts");
+    }
+
+    fn all_name_other_than(&self, old: u16) -> bool {
+        self.sentinels
+            .iter()
+            .all(|s| primary_port(s).is_some_and(|p| p != old))
     }
 
     /// `host:port` of each Sentinel.
@@ -102,11 +159,7 @@ impl Topology {
 
     /// Waits until every Sentinel names a primary other than `old`, and returns its port.
     pub fn wait_for_new_primary(&self, old: u16, within: Duration) -> u16 {
-        wait_for(within, "a new primary", || {
-            self.sentinels
-                .iter()
-                .all(|s| primary_port(s).is_some_and(|p| p != old))
-        });
+        wait_for(within, "a new primary", || self.all_name_other_than(old));
         self.primary_port()
     }
 }
@@ -115,6 +168,21 @@ impl Topology {
 fn primary_port(sentinel: &RedisServer) -> Option<u16> {
     let out = sentinel.cli(&["sentinel", "get-master-addr-by-name", MASTER]);
     out.lines().nth(1)?.trim().parse().ok()
+}
+
+/// Every value of the field `name` in redis-cli's print of a list of maps (`SENTINEL
+/// REPLICAS`): name and value on lines of their own.
+fn values(text: &str, name: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut lines = text.lines();
+    while let Some(l) = lines.next() {
+        if l.trim() == name {
+            if let Some(v) = lines.next() {
+                out.push(v.trim().to_owned());
+            }
+        }
+    }
+    out
 }
 
 fn count(text: &str, needle: &str) -> usize {
