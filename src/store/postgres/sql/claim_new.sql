@@ -12,6 +12,11 @@
 -- As with claim.sql, the store decides from the row's columns and `now` (the database's
 -- clock) whether the record is live, expired, or a lapsed lease of the same request; the
 -- last two take claim_call.sql, in a second round trip.
+--
+-- Why a function and not a data-modifying CTE (`WITH i AS (INSERT … WHERE NOT EXISTS …)`):
+-- a CTE's insert is set up on every call, a replay's too. Measured by
+-- benches/postgres_claim.rs, the CTE took 1.58x the raw SELECT's server CPU per replay and
+-- 1.24x the raw insert's per new key, against 1.15x and 1.20x for this statement.
 SELECT r.generation, r.nonce, r.fingerprint, r.state, r.locked_until, r.expires_at,
        statement_timestamp() AS now,
        r.status, r.headers, r.body, r.trailers, r.recovery_point,
