@@ -106,12 +106,10 @@ impl Topology {
                 reply.contains("OK") || reply.contains("INPROG"),
                 "SENTINEL FAILOVER, attempt {attempt}: {reply}"
             );
-            let deadline = Instant::now() + FAILOVER_TIMEOUT + Duration::from_secs(5);
-            while Instant::now() < deadline {
-                if self.all_name_other_than(old) {
-                    return self.primary_port();
-                }
-                std::thread::sleep(Duration::from_millis(50));
+            if poll_until(FAILOVER_TIMEOUT + Duration::from_secs(5), || {
+                self.all_name_other_than(old)
+            }) {
+                return self.primary_port();
             }
             eprintln!(
                 "forced failover attempt {attempt} not seen by every Sentinel; Sentinel 0 says:\n{}",
@@ -192,23 +190,25 @@ fn count(text: &str, needle: &str) -> usize {
 /// A numeric field of `SENTINEL MASTER` (redis-cli prints name and value on lines of their
 /// own).
 fn field(text: &str, name: &str) -> Option<u64> {
-    let mut lines = text.lines();
-    while let Some(l) = lines.next() {
-        if l.trim() == name {
-            return lines.next()?.trim().parse().ok();
-        }
-    }
-    None
+    values(text, name).first()?.parse().ok()
 }
 
 /// Polls `ok` until it holds, panicking with `what` after `within`. For waiting on real
 /// processes (a replica syncing, Sentinels agreeing), not for ordering tasks.
-pub fn wait_for(within: Duration, what: &str, mut ok: impl FnMut() -> bool) {
+pub fn wait_for(within: Duration, what: &str, ok: impl FnMut() -> bool) {
+    assert!(poll_until(within, ok), "{what}: not within {within:?}");
+}
+
+/// Polls `ok` every 50 ms until it holds (`true`) or `within` has passed (`false`).
+fn poll_until(within: Duration, mut ok: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + within;
     while !ok() {
-        assert!(Instant::now() < deadline, "{what}: not within {within:?}");
+        if Instant::now() >= deadline {
+            return false;
+        }
         std::thread::sleep(Duration::from_millis(50));
     }
+    true
 }
 
 /// A TCP proxy on a loopback port that sends each new connection to the upstream port set
