@@ -206,14 +206,15 @@ impl fmt::Display for RecordId {
     }
 }
 
-/// The `v2` SHA-256 fingerprint of a request: method, path and query, media type with its
+/// The `v3` SHA-256 fingerprint of a request: method, path and query, media type with its
 /// parameters, `Content-Encoding`, canonical body (RFC 8785 JSON with exact numbers, form
 /// pairs sorted stably by name, or raw bytes) and chosen headers.
 ///
-/// `v2` is the fingerprint the first release computes (`v1` differed only in not padding
-/// the method and path to a SHA-256 block, and was never released); a release that changes
-/// what it covers or how bumps the version, and [`Display`](fmt::Display) prints it (`v2:`
-/// and 64 hex digits).
+/// `v3` is the fingerprint the first release computes (`v1` and `v2`, never released,
+/// covered the same and framed it otherwise: `v3` pads the method, path, media type and
+/// codings to a SHA-256 block and tags the body with one byte, so a small body costs one
+/// block); a release that changes what it covers or how bumps the version, and
+/// [`Display`](fmt::Display) prints it (`v3:` and 64 hex digits).
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Fingerprint([u8; 32]);
 
@@ -237,7 +238,7 @@ impl fmt::Debug for Fingerprint {
 
 impl fmt::Display for Fingerprint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "v2:{}", hex(&self.0))
+        write!(f, "v3:{}", hex(&self.0))
     }
 }
 

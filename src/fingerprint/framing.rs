@@ -8,14 +8,17 @@ pub(super) enum BodyKind {
     Json,
     Form,
     Raw,
+    /// gRPC message frames: hashed raw, then the `grpc-encoding`.
+    Grpc,
 }
 
 impl BodyKind {
-    pub(super) fn tag(self) -> &'static [u8] {
+    /// The byte the body goes under (gRPC frames are raw bytes).
+    pub(super) fn tag(self) -> u8 {
         match self {
-            BodyKind::Json => b"jcs",
-            BodyKind::Form => b"form",
-            BodyKind::Raw => b"raw",
+            BodyKind::Json => b'j',
+            BodyKind::Form => b'f',
+            BodyKind::Raw | BodyKind::Grpc => b'r',
         }
     }
 }

@@ -1,4 +1,4 @@
-//! The `v2` request fingerprint.
+//! The `v3` request fingerprint.
 //!
 //! Two JSON readers exist and must agree: the fast path (`json/fast.rs`) reads a body when no
 //! field is excluded, the general path (`json/general.rs`) when some are, and where no
@@ -7,7 +7,8 @@
 //! pointer that matches nothing). A change to one is a change to the other.
 //!
 //! SHA-256 over length-prefixed fields: method, path and query, media type (with its
-//! parameters), content codings, body kind, canonical body, then each configured header. The
+//! parameters) and content codings, zero-padded to a whole block (see [`head`]); then the body
+//! kind (one byte) and the canonical body, then each configured header. The
 //! body is canonical so that a retry that re-serialises the same JSON (other key order, other
 //! whitespace, other escapes or number spellings) still matches:
 //!
@@ -48,7 +49,8 @@ mod media;
 #[cfg(test)]
 mod tests;
 
-use http::{request, HeaderName, Uri};
+use http::header::{CONTENT_ENCODING, CONTENT_TYPE};
+use http::{request, HeaderMap, HeaderName, Uri};
 use sha2::{Digest, Sha256};
 
 use crate::policy::is_grpc;
@@ -142,7 +144,7 @@ impl JsonPointer {
     }
 }
 
-/// Computes the `v2` fingerprint of a request. `target` is the URI whose path and query are
+/// Computes the `v3` fingerprint of a request. `target` is the URI whose path and query are
 /// hashed: the one the client sent, which a nested router may have rewritten in `parts`.
 pub(crate) fn fingerprint(
     parts: &request::Parts,
@@ -151,32 +153,25 @@ pub(crate) fn fingerprint(
     config: &Fingerprinting,
 ) -> Fingerprint {
     let path = target.path_and_query().map_or("/", |p| p.as_str());
-    let mut h = head(config.route_only, parts.method.as_str(), path);
+    let Head { mut h, kind } = head(
+        config.route_only,
+        parts.method.as_str(),
+        path,
+        &parts.headers,
+    );
     if config.route_only {
         hash_headers(&mut h, parts, config);
         return Fingerprint::from_bytes(h.0.finalize().into());
     }
-    let (media, kind) = media_type(&parts.headers);
-    h.field(&media);
-    let codings = content_codings(&parts.headers);
-    h.field(&codings);
-
-    // gRPC bodies are length-prefixed message frames, even `application/grpc+json`, and an
-    // encoded body's bytes are not the JSON or form they decode to: both raw.
-    let grpc = is_grpc(&parts.headers);
-    let kind = if grpc || !codings.is_empty() {
-        BodyKind::Raw
-    } else {
-        kind
-    };
     with_buffers(|b| {
         let done = match kind {
             BodyKind::Json => canonicalise(body, &config.excluded, &mut b.out, &mut b.work, true),
             BodyKind::Form => canonical_form_into(body, &mut b.out),
-            BodyKind::Raw => false,
+            BodyKind::Raw | BodyKind::Grpc => false,
         };
+        // One tag byte and the length: a small body then fits the head's next block whole.
         if done {
-            h.field(kind.tag());
+            h.0.update([kind.tag()]);
             h.0.update((b.out.len() as u64).to_be_bytes());
             // The outermost members' ranges are the JSON reader's; a form body has none,
             // whatever an earlier JSON body on this thread left there.
@@ -186,11 +181,11 @@ pub(crate) fn fingerprint(
             };
             hash_canonical(&mut h.0, &b.out, top);
         } else {
-            h.field(BodyKind::Raw.tag());
+            h.0.update([BodyKind::Raw.tag()]);
             h.field(body);
         }
     });
-    if grpc {
+    if kind == BodyKind::Grpc {
         // The same frame bytes under another `grpc-encoding` are another message. Absent
         // means `identity`. Only gRPC requests hash this field.
         let encoding = parts
@@ -206,38 +201,84 @@ pub(crate) fn fingerprint(
     Fingerprint::from_bytes(h.0.finalize().into())
 }
 
-/// The hasher after the prefix, the method and the path and query, zero-padded to a whole
-/// number of SHA-256 blocks: the same for every request to one route, so this thread keeps
-/// the state for its last few routes and starts from it, and the fields after it start on a
-/// block of their own (the padding never adds a block to what is left to hash; without it, a
-/// head just under a block would be hashed again with every request). The framing fixes the
-/// head's length, so the padding is unambiguous. The digest is the same either way.
-fn head(route_only: bool, method: &str, path: &str) -> Hasher {
+/// A fingerprint's start: the hasher after its head, and how the body is read.
+struct Head {
+    h: Hasher,
+    kind: BodyKind,
+}
+
+/// The hasher after the prefix, the method, the path and query and, unless `route_only`, the
+/// media type and content codings, zero-padded to a whole number of SHA-256 blocks, and the
+/// body kind those headers name. Both are the same for every request to one route with the
+/// same `Content-Type` and `Content-Encoding` lines, so this thread keeps them for its last few
+/// (keyed by the raw lines: a hit skips normalising them) and starts from the state; the body
+/// then starts a block of its own, and a canonical body of up to 46 bytes costs one block.
+/// The framing fixes the head's length, so the padding is unambiguous.
+fn head(route_only: bool, method: &str, path: &str, headers: &HeaderMap) -> Head {
     // A prefix of its own: a route-only fingerprint never equals a full one.
     let prefix: &[u8] = if route_only {
-        b"tower-idempotency fingerprint v2 route-only\0"
+        b"tower-idempotency fingerprint v3 route-only\0"
     } else {
-        b"tower-idempotency fingerprint v2\0"
+        b"tower-idempotency fingerprint v3\0"
     };
-    let fields = 16 + method.len() + path.len();
     let fresh = || {
         let mut h = Hasher(Sha256::new());
         h.0.update(prefix);
         h.field(method.as_bytes());
         h.field(path.as_bytes());
-        h.0.update(&[0u8; 64][..(64 - (prefix.len() + fields) % 64) % 64]);
-        h
+        let mut len = prefix.len() + 16 + method.len() + path.len();
+        let mut kind = BodyKind::Raw;
+        if !route_only {
+            let (media, named) = media_type(headers);
+            let codings = content_codings(headers);
+            h.field(&media);
+            h.field(&codings);
+            len += 16 + media.len() + codings.len();
+            // gRPC bodies are length-prefixed message frames, even `application/grpc+json`,
+            // and an encoded body's bytes are not the JSON or form they decode to: both raw.
+            kind = if is_grpc(headers) {
+                BodyKind::Grpc
+            } else if !codings.is_empty() {
+                BodyKind::Raw
+            } else {
+                named
+            };
+        }
+        h.0.update(&[0u8; 64][..(64 - len % 64) % 64]);
+        Head { h, kind }
     };
-    // A long target is not kept.
-    if fields > HEAD_KEY {
-        return fresh();
-    }
     let mut key = [0u8; HEAD_KEY];
     let mut at = 0;
-    for part in [method.as_bytes(), path.as_bytes()] {
-        key[at..at + 8].copy_from_slice(&(part.len() as u64).to_be_bytes());
-        key[at + 8..at + 8 + part.len()].copy_from_slice(part);
-        at += 8 + part.len();
+    let mut put = |part: &[u8]| {
+        let end = at + 8 + part.len();
+        let slot = key.get_mut(at..end)?;
+        slot[..8].copy_from_slice(&(part.len() as u64).to_be_bytes());
+        slot[8..].copy_from_slice(part);
+        at = end;
+        Some(())
+    };
+    let keyed = (|| {
+        put(method.as_bytes())?;
+        put(path.as_bytes())?;
+        if !route_only {
+            for name in [CONTENT_TYPE, CONTENT_ENCODING] {
+                // Absent is not an empty line; several lines are not kept.
+                let mut lines = headers.get_all(name).iter();
+                match (lines.next(), lines.next()) {
+                    (None, _) => put(b"-")?,
+                    (Some(line), None) => {
+                        put(b"+")?;
+                        put(line.as_bytes())?;
+                    }
+                    (Some(_), Some(_)) => return None,
+                }
+            }
+        }
+        Some(())
+    })();
+    // A long target, or headers sent in several lines: not kept.
+    if keyed.is_none() {
+        return fresh();
     }
     let key = &key[..at];
     HEADS
@@ -248,14 +289,18 @@ fn head(route_only: bool, method: &str, path: &str) -> Hasher {
                 .iter()
                 .find(|e| e.route_only == route_only && &e.key[..e.len] == key)
             {
-                return Hasher(hit.state.clone());
+                return Head {
+                    h: Hasher(hit.state.clone()),
+                    kind: hit.kind,
+                };
             }
-            let h = fresh();
-            let mut entry = Head {
+            let head = fresh();
+            let mut entry = Kept {
                 route_only,
                 key: [0; HEAD_KEY],
                 len: key.len(),
-                state: h.0.clone(),
+                state: head.h.0.clone(),
+                kind: head.kind,
             };
             entry.key[..key.len()].copy_from_slice(key);
             let slot = heads.next;
@@ -265,27 +310,28 @@ fn head(route_only: bool, method: &str, path: &str) -> Hasher {
             } else {
                 heads.entries.push(entry);
             }
-            h
+            head
         })
         .unwrap_or_else(|_| fresh())
 }
 
-/// The longest method and target fields (with their length prefixes) [`head`] keeps.
-const HEAD_KEY: usize = 128;
-/// Routes per thread: replaced in turn, so routes with ids in the path cost a copy, not a
+/// The longest method, target and header fields (with their length prefixes) [`head`] keeps.
+const HEAD_KEY: usize = 192;
+/// Heads per thread: replaced in turn, so routes with ids in the path cost a copy, not a
 /// growing table.
 const HEADS_KEPT: usize = 4;
 
-struct Head {
+struct Kept {
     route_only: bool,
     key: [u8; HEAD_KEY],
     len: usize,
     state: Sha256,
+    kind: BodyKind,
 }
 
 #[derive(Default)]
 struct Heads {
-    entries: Vec<Head>,
+    entries: Vec<Kept>,
     next: usize,
 }
 
