@@ -109,14 +109,13 @@ impl RecordPolicy for DefaultRecordPolicy {
 }
 
 pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
-    headers
-        .get(http::header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|ct| {
-            ct == "application/grpc"
-                || ct.starts_with("application/grpc+")
-                || ct.starts_with("application/grpc;")
-        })
+    headers.get(http::header::CONTENT_TYPE).is_some_and(|v| {
+        // The prefix first: most requests fail it at once, before `to_str` checks every byte.
+        v.as_bytes()
+            .strip_prefix(b"application/grpc")
+            .is_some_and(|rest| matches!(rest.first(), None | Some(b'+' | b';')))
+            && v.to_str().is_ok()
+    })
 }
 
 /// The handler's explicit word first, then the policy. `Cache-Control: no-store` is not read:
@@ -223,5 +222,33 @@ mod tests {
             decide(p, Some(RecordDecision::Release), &info),
             RecordDecision::Release
         );
+    }
+
+    #[test]
+    fn grpc_is_its_media_type_and_its_subtypes_only() {
+        let of = |ct: &[u8]| {
+            let mut h = HeaderMap::new();
+            h.insert("content-type", HeaderValue::from_bytes(ct).unwrap());
+            is_grpc(&h)
+        };
+        for yes in [
+            &b"application/grpc"[..],
+            b"application/grpc+proto",
+            b"application/grpc;x=1",
+        ] {
+            assert!(of(yes), "{yes:?}");
+        }
+        let no: [&[u8]; 5] = [
+            b"application/grpcx",
+            b"application/grp",
+            b"application/json",
+            b"Application/grpc",
+            // Not visible ASCII: the header as a whole is not read as gRPC.
+            b"application/grpc+\xff",
+        ];
+        for no in no {
+            assert!(!of(no), "{no:?}");
+        }
+        assert!(!is_grpc(&HeaderMap::new()));
     }
 }

@@ -742,13 +742,23 @@ pub(crate) fn get_vary(buf: &mut Bytes) -> Result<Option<VaryGuard>, DecodeError
 }
 
 pub(crate) fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
     let mut s = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        s.push(DIGITS[(b >> 4) as usize] as char);
-        s.push(DIGITS[(b & 0xf) as usize] as char);
-    }
+    hex_into(&mut s, bytes);
     s
+}
+
+/// Appends `bytes` in lower-case hex to `out`: 32 bytes at a time through a stack buffer and
+/// one `push_str`, not a `push` per digit (which checks capacity and encodes a `char` each).
+pub(crate) fn hex_into(out: &mut String, bytes: &[u8]) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    for chunk in bytes.chunks(32) {
+        let mut buf = [0u8; 64];
+        for (pair, b) in buf.chunks_exact_mut(2).zip(chunk) {
+            pair[0] = DIGITS[usize::from(b >> 4)];
+            pair[1] = DIGITS[usize::from(b & 0xf)];
+        }
+        out.push_str(std::str::from_utf8(&buf[..2 * chunk.len()]).expect("hex digits are ASCII"));
+    }
 }
 
 #[cfg(test)]

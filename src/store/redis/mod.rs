@@ -315,11 +315,45 @@ struct Inner {
 struct Keys {
     record: String,
     group: Option<[String; 2]>,
-    /// The record id in hex, which the scripts name the record by in its group.
-    id: String,
+    /// The record id in hex where the record key does not hold it whole (with quotas).
+    id: Option<String>,
 }
 
 impl Keys {
+    /// Without quotas the record key is built with the id's hex written straight into it,
+    /// which [`id`](Self::id) then borrows: one allocation per call instead of three.
+    fn new(prefix: &str, grouped: bool, id: &RecordId) -> Self {
+        if !grouped {
+            let mut record = String::with_capacity(prefix.len() + 66);
+            record.push_str(prefix);
+            record.push('{');
+            crate::record::hex_into(&mut record, id.as_bytes());
+            record.push('}');
+            return Keys {
+                record,
+                group: None,
+                id: None,
+            };
+        }
+        let hex = id.to_hex();
+        let tag = &hex[..2 * RecordId::SCOPE_PREFIX];
+        let group = Some([format!("{prefix}{{{tag}}}s"), format!("{prefix}{{{tag}}}b")]);
+        Keys {
+            record: grouped_key(prefix, &hex),
+            group,
+            id: Some(hex),
+        }
+    }
+
+    /// The record id in hex, which the scripts name the record by in its group.
+    fn id(&self) -> &str {
+        match &self.id {
+            Some(hex) => hex,
+            // `<prefix>{<hex>}`: the 64 digits before the closing brace.
+            None => &self.record[self.record.len() - 65..self.record.len() - 1],
+        }
+    }
+
     fn all(&self) -> Vec<&str> {
         let mut keys = vec![self.record.as_str()];
         if let Some([z, b]) = &self.group {
@@ -383,29 +417,12 @@ impl RedisStore {
     /// The Redis key of `id`: `<prefix>{<hex id>}`, or with per-scope quotas
     /// `<prefix>{<first 8 hex>}<other 56 hex>` (see [key layout](self#key-layout-and-record-format)).
     pub fn key(&self, id: &RecordId) -> String {
-        self.key_of_hex(&id.to_hex())
+        self.keys(id).record
     }
 
-    fn key_of_hex(&self, hex: &str) -> String {
-        if self.inner.quotas.any() {
-            grouped_key(&self.inner.prefix, hex)
-        } else {
-            record_key(&self.inner.prefix, hex)
-        }
-    }
-
-    /// The keys scripts on `id` touch. The id is put in hex once.
+    /// The keys scripts on `id` touch.
     fn keys(&self, id: &RecordId) -> Keys {
-        let hex = id.to_hex();
-        let group = self.inner.quotas.any().then(|| {
-            let (prefix, tag) = (&self.inner.prefix, &hex[..2 * RecordId::SCOPE_PREFIX]);
-            [format!("{prefix}{{{tag}}}s"), format!("{prefix}{{{tag}}}b")]
-        });
-        Keys {
-            record: self.key_of_hex(&hex),
-            group,
-            id: hex,
-        }
+        Keys::new(&self.inner.prefix, self.inner.quotas.any(), id)
     }
 
     /// Sends `pipe`, whose first command runs `lua`, to `key`'s node in one round trip,
@@ -554,7 +571,7 @@ impl RedisStore {
         };
         let tok = record::token_bytes(token).ok_or_else(fenced)?;
         let lease = millis(lease).to_string();
-        let args: [&[u8]; 3] = [&tok, lease.as_bytes(), keys.id.as_bytes()];
+        let args: [&[u8]; 3] = [&tok, lease.as_bytes(), keys.id().as_bytes()];
         match self
             .write_and_wait(dedicated, &self.inner.scripts.extend, keys, &args, wait)
             .await
@@ -716,6 +733,8 @@ fn reconnecting() -> Failure {
 }
 
 /// `<prefix>{<hex id>}`: the braces make the id the cluster hash tag, whatever the prefix.
+/// [`Keys::new`] writes it without the hex string; tests hold the two to the same key.
+#[cfg(test)]
 fn record_key(prefix: &str, hex: &str) -> String {
     let mut key = String::with_capacity(prefix.len() + hex.len() + 2);
     key.push_str(prefix);
@@ -965,7 +984,7 @@ impl RedisStore {
             records = self.inner.quotas.records.to_string();
             bytes = self.inner.quotas.bytes.to_string();
             args.extend([hex.as_bytes(), records.as_bytes(), bytes.as_bytes()]);
-            args.push(keys.id.as_bytes());
+            args.push(keys.id().as_bytes());
         }
         let call = self.inner.scripts.claim.call(&keys.all(), args);
         let mut pipe = redis::pipe();
@@ -1119,7 +1138,7 @@ impl IdempotencyStore for RedisStore {
         let lease = millis(lease).to_string();
         let lua = &self.inner.scripts.extend;
         // Still ours and in progress: send again (renewing twice is harmless).
-        let args: [&[u8]; 3] = [&tok, lease.as_bytes(), keys.id.as_bytes()];
+        let args: [&[u8]; 3] = [&tok, lease.as_bytes(), keys.id().as_bytes()];
         self.fenced(&keys, lua, &args, |found| match found {
             Some(f) if f.held_by(token) && !f.completed() => None,
             _ => Some(Err(fenced())),
@@ -1141,7 +1160,7 @@ impl IdempotencyStore for RedisStore {
         let encoded = completion.encode();
         let ttl = millis(ttl).to_string();
         // The record id only where a scope counts the record: each argument costs Redis.
-        let all: [&[u8]; 4] = [&tok, &encoded, ttl.as_bytes(), keys.id.as_bytes()];
+        let all: [&[u8]; 4] = [&tok, &encoded, ttl.as_bytes(), keys.id().as_bytes()];
         let args = &all[..if keys.group.is_some() { 4 } else { 3 }];
         let lua = &self.inner.scripts.complete;
         if let (Some(dedicated), Some(wait)) = (&self.inner.dedicated, self.inner.wait) {
@@ -1187,7 +1206,7 @@ impl IdempotencyStore for RedisStore {
         let tok = record::token_bytes(token).ok_or_else(fenced)?;
         let released = record::token_bytes(&token.released()).ok_or_else(fenced)?;
         let lua = &self.inner.scripts.release;
-        let args: [&[u8]; 3] = [&tok, keys.id.as_bytes(), &released];
+        let args: [&[u8]; 3] = [&tok, keys.id().as_bytes(), &released];
         self.fenced(&keys, lua, &args, |found| match found {
             // Gone: released, by this call or by expiry; the key is free either way.
             None => Some(Ok(())),
@@ -1420,6 +1439,32 @@ mod tests {
             record_key("a:", &id.to_hex()),
             record_key("b:", &id.to_hex())
         );
+    }
+
+    #[test]
+    fn a_calls_keys_are_the_keys_and_id_of_its_record() {
+        for (scope, key) in [(None, "k"), (Some("tenant"), "k2")] {
+            let id = RecordId::new(scope, key);
+            let hex = id.to_hex();
+            let plain = Keys::new("p:", false, &id);
+            assert_eq!(plain.record, record_key("p:", &hex));
+            assert_eq!(
+                (plain.id(), plain.all()),
+                (hex.as_str(), vec![plain.record.as_str()])
+            );
+            let grouped = Keys::new("p:", true, &id);
+            assert_eq!(grouped.record, grouped_key("p:", &hex));
+            assert_eq!(grouped.id(), hex);
+            let tag = &hex[..8];
+            assert_eq!(
+                grouped.all(),
+                [
+                    grouped.record.clone(),
+                    format!("p:{{{tag}}}s"),
+                    format!("p:{{{tag}}}b")
+                ]
+            );
+        }
     }
 
     #[test]

@@ -25,7 +25,7 @@ impl RedisStore {
         Keys {
             record: format!("{}recoverable", self.inner.prefix),
             group: None,
-            id: String::new(),
+            id: Some(String::new()),
         }
     }
 
