@@ -324,13 +324,8 @@ impl Keys {
     /// which [`id`](Self::id) then borrows: one allocation per call instead of three.
     fn new(prefix: &str, grouped: bool, id: &RecordId) -> Self {
         if !grouped {
-            let mut record = String::with_capacity(prefix.len() + 66);
-            record.push_str(prefix);
-            record.push('{');
-            crate::record::hex_into(&mut record, id.as_bytes());
-            record.push('}');
             return Keys {
-                record,
+                record: record_key(prefix, id),
                 group: None,
                 id: None,
             };
@@ -733,13 +728,12 @@ fn reconnecting() -> Failure {
 }
 
 /// `<prefix>{<hex id>}`: the braces make the id the cluster hash tag, whatever the prefix.
-/// [`Keys::new`] writes it without the hex string; tests hold the two to the same key.
-#[cfg(test)]
-fn record_key(prefix: &str, hex: &str) -> String {
-    let mut key = String::with_capacity(prefix.len() + hex.len() + 2);
+/// The hex is written straight into the key, with no string of its own.
+fn record_key(prefix: &str, id: &RecordId) -> String {
+    let mut key = String::with_capacity(prefix.len() + 66);
     key.push_str(prefix);
     key.push('{');
-    key.push_str(hex);
+    crate::record::hex_into(&mut key, id.as_bytes());
     key.push('}');
     key
 }
@@ -1428,17 +1422,14 @@ mod tests {
     #[test]
     fn keys_carry_the_record_id_as_hash_tag() {
         let id = RecordId::new(Some("t"), "k");
-        let key = record_key(DEFAULT_KEY_PREFIX, &id.to_hex());
+        let key = record_key(DEFAULT_KEY_PREFIX, &id);
         assert_eq!(key, format!("idem:{{{}}}", id.to_hex()));
         // Redis Cluster hashes what is between the first `{` and the next `}`.
         let tag = key
             .split_once('{')
             .and_then(|(_, rest)| rest.split_once('}'));
         assert_eq!(tag.map(|(t, _)| t.to_owned()), Some(id.to_hex()));
-        assert_ne!(
-            record_key("a:", &id.to_hex()),
-            record_key("b:", &id.to_hex())
-        );
+        assert_ne!(record_key("a:", &id), record_key("b:", &id));
     }
 
     #[test]
@@ -1447,7 +1438,7 @@ mod tests {
             let id = RecordId::new(scope, key);
             let hex = id.to_hex();
             let plain = Keys::new("p:", false, &id);
-            assert_eq!(plain.record, record_key("p:", &hex));
+            assert_eq!(plain.record, format!("p:{{{hex}}}"));
             assert_eq!(
                 (plain.id(), plain.all()),
                 (hex.as_str(), vec![plain.record.as_str()])
