@@ -12,12 +12,19 @@
 # the memory store). Cases: get (pass-through), unique (a new key each), replay, all three on
 # /v1/payments; order and order-replay, the same on /v1/orders, whose handler does the same
 # work with and without the layer (bench/client.py).
+# IDEMPOTENCY_STORE=redis://127.0.0.1:16392 puts the `on` mode on that store (a private,
+# emptied Redis: the count includes the store's client, not the server).
 # Under valgrind sha2 runs its portable code (no SHA extensions), so SHA-256 weighs several
 # times more here than on the CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v valgrind >/dev/null || { echo "installing valgrind" >&2; apt-get install -y valgrind >/dev/null; }
-cargo build --release --quiet --example shop --features axum
+features=axum
+case "${IDEMPOTENCY_STORE:-}" in
+  redis*) features=axum,redis ;;
+  postgres*) features=axum,postgres ;;
+esac
+cargo build --release --quiet --example shop --features "$features"
 SHOP="${CARGO_TARGET_DIR:-target}/release/examples/shop"
 # CALLGRIND_OUT=dir keeps the profiles (cg.<mode>.<case>.<n>) for callgrind_annotate.
 if [ -n "${CALLGRIND_OUT:-}" ]; then
