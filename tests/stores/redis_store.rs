@@ -1021,6 +1021,68 @@ async fn timed_out_claims_are_read_back_and_exactly_one_holds_the_key() {
         .unwrap();
 }
 
+/// Setup on a connection with no response timeout of its own (the store's connection manager
+/// has none: each store call carries the store's deadline) still ends within the timeout
+/// when Redis stops answering, and says so.
+#[tokio::test]
+async fn setup_on_a_connection_without_response_timeout_ends_within_the_timeout() {
+    let Some(server) = RedisServer::start(&[]) else {
+        return;
+    };
+    let config = redis::aio::ConnectionManagerConfig::new().set_response_timeout(None);
+    let conn = redis::aio::ConnectionManager::new_with_config(
+        redis::Client::open(server.url()).unwrap(),
+        config,
+    )
+    .await
+    .unwrap();
+    let timeout = Duration::from_millis(300);
+    let _admin = pause_clients(&server, Duration::from_millis(3000)).await;
+    let started = Instant::now();
+    let err = RedisStore::builder()
+        .with_timeout(timeout)
+        .build(conn)
+        .await
+        .unwrap_err();
+    let took = started.elapsed();
+    assert!(matches!(err, SetupError::Redis(_)), "{err:?}");
+    assert!(err.to_string().contains("no answer within"), "{err}");
+    assert!(
+        took >= timeout && took < timeout * 3,
+        "setup gave up after {took:?}"
+    );
+}
+
+/// A store call on a Redis that stopped answering ends at the store's timeout, as unknown,
+/// with nothing but the store's own deadline on the call.
+#[tokio::test]
+async fn a_call_on_a_paused_redis_is_unknown_at_the_store_timeout() {
+    let Some(server) = RedisServer::start(&[]) else {
+        return;
+    };
+    let timeout = Duration::from_millis(300);
+    let store = RedisStore::builder()
+        .with_timeout(timeout)
+        .connect(&server.url())
+        .await
+        .unwrap();
+    let id = unique_id("paused-complete");
+    let token = claim_token(&store, &id).await;
+    let _admin = pause_clients(&server, Duration::from_millis(3000)).await;
+    let started = Instant::now();
+    let err = store
+        .complete(&id, &token, &response(200, "late"), TTL)
+        .await
+        .unwrap_err();
+    let took = started.elapsed();
+    assert_eq!(err.kind(), StoreErrorKind::Unknown, "{err:?}");
+    // The complete and its read-back, each within the timeout.
+    assert!(
+        took >= timeout && took < timeout * 3,
+        "the complete gave up after {took:?}"
+    );
+}
+
 #[tokio::test]
 async fn a_claim_that_cannot_be_read_back_is_unknown_never_claimed() {
     let Some(server) = RedisServer::start(&[]) else {

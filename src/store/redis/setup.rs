@@ -464,9 +464,14 @@ impl RedisStoreBuilder {
             .await
     }
 
+    /// The shared connection's configuration. No response timeout: every call the store makes
+    /// on it already runs under the store's own deadline (`RedisStore::bounded`, `timeout`;
+    /// `timeout + wait` for a `WAIT`), which also covers a call held while the manager
+    /// redials. A second timer per call would only cost: registering and clearing a tokio
+    /// timer is about 1,300 instructions, and a new key makes two calls.
     fn manager_config(&self) -> ConnectionManagerConfig {
         ConnectionManagerConfig::new()
-            .set_response_timeout(Some(self.response_timeout()))
+            .set_response_timeout(None)
             .set_connection_timeout(Some(self.timeout))
             // Reconnect attempts back off to at most 1 s, so a restarted Redis is found soon.
             .set_max_delay(Duration::from_secs(1))
@@ -507,20 +512,28 @@ impl RedisStoreBuilder {
         if self.prefix.contains(['{', '}']) {
             return Err(SetupError::KeyPrefix(self.prefix));
         }
+        // Each step is bounded here: the store's own connection manager has no response
+        // timeout (see `manager_config`), and one passed to `build` may have none either.
+        let limit = self.timeout;
         if self.eviction_guard {
-            check_eviction_policy(&conn).await?;
+            bounded_setup(limit, check_eviction_policy(&conn)).await?;
         }
         let scripts = Scripts::new();
         // Loading now saves the first call of each script a NOSCRIPT round trip. On a cluster,
         // SCRIPT LOAD goes to every node.
         for script in scripts.all() {
-            conn.load_everywhere(script.code).await?;
+            let load = async { Ok(conn.load_everywhere(script.code).await?) };
+            bounded_setup(limit, load).await?;
         }
         if let (Some((wanted, _)), true) = (self.wait, self.replica_check) {
-            check_replicas(&conn, wanted.get()).await?;
+            bounded_setup(limit, check_replicas(&conn, wanted.get())).await?;
         }
-        // Read once: a plain claim needs `SET … NX GET` on every node.
-        let plain_claims = !self.quotas.any() && takes_nx_with_get(&conn).await;
+        // Read once: a plain claim needs `SET … NX GET` on every node. Unknown in time, the
+        // store uses the claim script, which every version takes.
+        let plain_claims = !self.quotas.any()
+            && tokio::time::timeout(limit, takes_nx_with_get(&conn))
+                .await
+                .unwrap_or(false);
         let codes = scripts.all().iter().map(|s| s.code).collect();
         let config = self.manager_config();
         let (link, source) = match origin {
@@ -720,6 +733,16 @@ fn parse_sentinel_url(url: &str) -> Result<(Vec<String>, String), SetupError> {
         sentinels.push(format!("redis://{name}:{port}"));
     }
     Ok((sentinels, master.to_owned()))
+}
+
+/// A setup step within `limit`; past it, the timeout is the error.
+async fn bounded_setup<T>(
+    limit: Duration,
+    step: impl std::future::Future<Output = Result<T, SetupError>>,
+) -> Result<T, SetupError> {
+    tokio::time::timeout(limit, step)
+        .await
+        .unwrap_or_else(|_| Err(timed_out(limit).into()))
 }
 
 fn timed_out(limit: Duration) -> RedisError {
