@@ -349,12 +349,29 @@ impl Keys {
         }
     }
 
-    fn all(&self) -> Vec<&str> {
-        let mut keys = vec![self.record.as_str()];
-        if let Some([z, b]) = &self.group {
-            keys.extend([z.as_str(), b.as_str()]);
+    /// The record's key, then its group's keys where it has them.
+    fn all(&self) -> KeyList<'_> {
+        match &self.group {
+            None => KeyList::One([self.record.as_str()]),
+            Some([z, b]) => KeyList::Three([self.record.as_str(), z.as_str(), b.as_str()]),
         }
-        keys
+    }
+}
+
+/// A call's keys, without an allocation.
+#[derive(Debug)]
+enum KeyList<'a> {
+    One([&'a str; 1]),
+    Three([&'a str; 3]),
+}
+
+impl<'a> std::ops::Deref for KeyList<'a> {
+    type Target = [&'a str];
+    fn deref(&self) -> &Self::Target {
+        match self {
+            KeyList::One(k) => k,
+            KeyList::Three(k) => k,
+        }
     }
 }
 
@@ -519,7 +536,7 @@ impl RedisStore {
     async fn eval(&self, lua: &Lua, keys: &Keys, args: &[&[u8]]) -> Result<Value, Failure> {
         let mut pipe = redis::pipe();
         pipe.ignore_errors()
-            .add_command(lua.call(&keys.all(), args.iter().copied()));
+            .add_command(lua.call(&keys.all(), args));
         let replies = self.send(&pipe, lua, &keys.record).await?;
         match <[Value; 1]>::try_from(replies) {
             Ok([Value::ServerError(e)]) => Err(Failure::from_redis(e.into())),
@@ -617,7 +634,7 @@ impl RedisStore {
         let key = keys.record.as_str();
         let mut pipe = redis::pipe();
         pipe.ignore_errors()
-            .add_command(lua.call(&keys.all(), args.iter().copied()))
+            .add_command(lua.call(&keys.all(), args))
             .cmd("WAIT")
             .arg(wanted.get())
             .arg(millis(wait));
@@ -983,7 +1000,7 @@ impl RedisStore {
             args.extend([hex.as_bytes(), records.as_bytes(), bytes.as_bytes()]);
             args.push(keys.id().as_bytes());
         }
-        let call = self.inner.scripts.claim.call(&keys.all(), args);
+        let call = self.inner.scripts.claim.call(&keys.all(), &args);
         let mut pipe = redis::pipe();
         pipe.ignore_errors()
             .add_command(call)
@@ -1013,15 +1030,17 @@ fn plain_claim(
     let gap = record::lease_gap(keep_ms - lease_ms)?;
     let mut value = record::new_record(record::PLAIN, fingerprint, nonce);
     value.extend_from_slice(&gap);
-    let mut pipe = redis::pipe();
-    pipe.ignore_errors()
-        .cmd("SET")
+    // Sized once, as `Lua::call` is: 7 arguments, `keep_ms` at most 20 digits.
+    let mut set = redis::Cmd::with_capacity(7, "SETNXPXGET".len() + key.len() + value.len() + 20);
+    set.arg("SET")
         .arg(key)
         .arg(value)
         .arg("NX")
         .arg("PX")
         .arg(keep_ms)
         .arg("GET");
+    let mut pipe = redis::pipe();
+    pipe.ignore_errors().add_command(set);
     Some(pipe)
 }
 
@@ -1334,6 +1353,25 @@ mod tests {
     }
 
     #[test]
+    fn the_plain_claim_is_one_set_nx_px_get_of_the_new_record() {
+        let (fp, nonce) = (Fingerprint::from_bytes([7; 32]), [9; 16]);
+        let pipe = plain_claim("p:{ab}", &fp, &nonce, 30_000, 86_400_000).unwrap();
+        let mut value = record::new_record(record::PLAIN, &fp, &nonce);
+        value.extend_from_slice(&record::lease_gap(86_400_000 - 30_000).unwrap());
+        let mut expected = redis::pipe();
+        expected
+            .ignore_errors()
+            .cmd("SET")
+            .arg("p:{ab}")
+            .arg(value)
+            .arg("NX")
+            .arg("PX")
+            .arg(86_400_000u64)
+            .arg("GET");
+        assert_eq!(pipe.get_packed_pipeline(), expected.get_packed_pipeline());
+    }
+
+    #[test]
     fn plain_claim_replies_decide_or_hand_over_to_the_script() {
         let nonce = [9; 16];
         let mine = Fingerprint::from_bytes([7; 32]);
@@ -1443,15 +1481,15 @@ mod tests {
             let plain = Keys::new("p:", false, &id);
             assert_eq!(plain.record, format!("p:{{{hex}}}"));
             assert_eq!(
-                (plain.id(), plain.all()),
-                (hex.as_str(), vec![plain.record.as_str()])
+                (plain.id(), &*plain.all()),
+                (hex.as_str(), &[plain.record.as_str()][..])
             );
             let grouped = Keys::new("p:", true, &id);
             assert_eq!(grouped.record, grouped_key("p:", &hex));
             assert_eq!(grouped.id(), hex);
             let tag = &hex[..8];
             assert_eq!(
-                grouped.all(),
+                *grouped.all(),
                 [
                     grouped.record.clone(),
                     format!("p:{{{tag}}}s"),

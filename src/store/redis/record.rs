@@ -65,12 +65,18 @@ pub(super) fn lease_gap(gap_ms: u64) -> Option<[u8; 16]> {
         return None;
     }
     let mut field = *b"k000000000000000";
-    let mut n = gap_ms;
-    for b in field[1..].iter_mut().rev() {
+    padded_decimal(&mut field[1..], gap_ms).then_some(field)
+}
+
+/// Writes `n` into `field` in decimal, zero-padded to its width; `false` if it has more
+/// digits than that. By hand: `format!` costs about a thousand instructions and an
+/// allocation per call, on every claim and complete.
+fn padded_decimal(field: &mut [u8], mut n: u64) -> bool {
+    for b in field.iter_mut().rev() {
         *b = b'0' + (n % 10) as u8;
         n /= 10;
     }
-    Some(field)
+    n == 0
 }
 
 /// Redis's clock as a reader saw it, for the lease left: `TIME` (for a deadline field) and
@@ -117,15 +123,10 @@ pub(super) fn new_record(format: u8, fingerprint: &Fingerprint, nonce: &[u8; 16]
 
 /// A token as the record holds it: nonce then generation (bytes 34..66). `None` for a
 /// generation no record can hold (more than 16 digits): such a token is fenced everywhere.
-pub(super) fn token_bytes(token: &Token) -> Option<Vec<u8>> {
-    let generation = format!("{:016}", token.generation());
-    if generation.len() != 16 {
-        return None;
-    }
-    let mut v = Vec::with_capacity(32);
-    v.extend_from_slice(token.nonce());
-    v.extend_from_slice(generation.as_bytes());
-    Some(v)
+pub(super) fn token_bytes(token: &Token) -> Option<[u8; 32]> {
+    let mut v = [0; 32];
+    v[..16].copy_from_slice(token.nonce());
+    padded_decimal(&mut v[16..], token.generation()).then_some(v)
 }
 
 /// A record as read, with the nonce it holds.
