@@ -52,8 +52,8 @@ pub(super) fn primary_of(key: &str) -> SingleNodeRoutingInfo {
 
 // The cluster client's futures are boxed: `route_pipeline`'s is 1,440 bytes against 48 for a
 // single node's, and every future that awaits a call (the store's claim, complete, their
-// deadlines) would otherwise carry that size, copied at each `.await` that creates one and
-// allocated past the allocator's small-size cache (BENCHMARKS.md, Instructions per request).
+// deadlines) would otherwise carry that size, copied where each is made and allocated with
+// the claim's and the complete's boxed futures.
 impl RedisConnection {
     /// Runs `cmd` on the node holding `key` (a single node is always that node).
     pub(super) async fn on_key(&self, cmd: &Cmd, key: &str) -> Result<Value, RedisError> {

@@ -478,9 +478,8 @@ impl RedisStore {
 
     /// `call` on the connection of `epoch`, within the timeout; past it, an unknown outcome.
     ///
-    /// The connection's own response timeout does not make this timer redundant: a
-    /// connection manager that lost its connection holds calls while it redials, with
-    /// backoff, for longer than one response timeout.
+    /// The only timer on a call to the store's own connection manager, which has no response
+    /// timeout: this one also covers a call the manager holds while it redials, with backoff.
     async fn bounded<T>(
         &self,
         epoch: u64,

@@ -69,8 +69,8 @@ pub(super) fn lease_gap(gap_ms: u64) -> Option<[u8; 16]> {
 }
 
 /// Writes `n` into `field` in decimal, zero-padded to its width; `false` if it has more
-/// digits than that. By hand: `format!` costs about a thousand instructions and an
-/// allocation per call, on every claim and complete.
+/// digits than that. By hand: `format!` cost about a thousand instructions and an allocation
+/// for each token a complete, renewal or release sends.
 fn padded_decimal(field: &mut [u8], mut n: u64) -> bool {
     for b in field.iter_mut().rev() {
         *b = b'0' + (n % 10) as u8;
