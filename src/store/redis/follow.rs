@@ -327,13 +327,14 @@ fn timed_out(what: &str) -> RedisError {
     ))
 }
 
-async fn bounded<T>(
+/// `f` within `limit`; past it, a timed-out Redis error (reconnects here, setup's steps).
+pub(super) async fn bounded<T, E: From<RedisError>>(
     limit: Duration,
-    f: impl std::future::Future<Output = Result<T, RedisError>>,
-) -> Result<T, RedisError> {
+    f: impl std::future::Future<Output = Result<T, E>>,
+) -> Result<T, E> {
     match tokio::time::timeout(limit, f).await {
         Ok(r) => r,
-        Err(_) => Err(timed_out(&format!("no answer within {limit:?}"))),
+        Err(_) => Err(timed_out(&format!("no answer within {limit:?}")).into()),
     }
 }
 

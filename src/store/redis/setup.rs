@@ -13,7 +13,7 @@ use redis::sentinel::Sentinel;
 use redis::{RedisError, Value};
 
 use super::connection::{as_string, primary_of, RedisConnection};
-use super::follow::{Link, Resolver};
+use super::follow::{bounded, Link, Resolver};
 use super::scripts::Scripts;
 use super::{Inner, Quotas, RedisStore, DEFAULT_KEY_PREFIX, DEFAULT_TIMEOUT};
 
@@ -516,17 +516,16 @@ impl RedisStoreBuilder {
         // timeout (see `manager_config`), and one passed to `build` may have none either.
         let limit = self.timeout;
         if self.eviction_guard {
-            bounded_setup(limit, check_eviction_policy(&conn)).await?;
+            bounded(limit, check_eviction_policy(&conn)).await?;
         }
         let scripts = Scripts::new();
         // Loading now saves the first call of each script a NOSCRIPT round trip. On a cluster,
         // SCRIPT LOAD goes to every node.
         for script in scripts.all() {
-            let load = async { Ok(conn.load_everywhere(script.code).await?) };
-            bounded_setup(limit, load).await?;
+            bounded(limit, conn.load_everywhere(script.code)).await?;
         }
         if let (Some((wanted, _)), true) = (self.wait, self.replica_check) {
-            bounded_setup(limit, check_replicas(&conn, wanted.get())).await?;
+            bounded(limit, check_replicas(&conn, wanted.get())).await?;
         }
         // Read once: a plain claim needs `SET … NX GET` on every node. Unknown in time, the
         // store uses the claim script, which every version takes.
@@ -733,16 +732,6 @@ fn parse_sentinel_url(url: &str) -> Result<(Vec<String>, String), SetupError> {
         sentinels.push(format!("redis://{name}:{port}"));
     }
     Ok((sentinels, master.to_owned()))
-}
-
-/// A setup step within `limit`; past it, the timeout is the error.
-async fn bounded_setup<T>(
-    limit: Duration,
-    step: impl std::future::Future<Output = Result<T, SetupError>>,
-) -> Result<T, SetupError> {
-    tokio::time::timeout(limit, step)
-        .await
-        .unwrap_or_else(|_| Err(timed_out(limit).into()))
 }
 
 fn timed_out(limit: Duration) -> RedisError {
