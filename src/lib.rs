@@ -232,10 +232,11 @@
 //!
 //! | feature | default | enables |
 //! |---|---|---|
-//! | `redis` | no | `store::redis` with the `redis` crate (1.x): single node and Cluster |
+//! | `redis` | no | `store::redis` with the `redis` crate (1.x): single node, Cluster and Sentinel |
 //! | `postgres` | no | `store::postgres` with `tokio-postgres` and `deadpool-postgres` |
 //! | `redis-tls` | no | `rediss://` for the Redis store, with rustls ([`security`](crate::security#tls-to-the-stores)) |
 //! | `postgres-tls` | no | TLS for the Postgres store as `sslmode` says, with rustls |
+//! | `sqlx` | no | sqlx's `&mut PgConnection` and `&mut Transaction<'_, Postgres>` for `PostgresStore::record_in` and the other `*_in` methods (implies `postgres`) |
 //! | `client` | no | `client`: the retry layer for clients, with `tower`'s retry and `httpdate` |
 //! | `axum` | no | fingerprints of the path the client sent inside nested routers (`OriginalUri`), which **changes the fingerprints of nested routes** ([more](#the-axum-feature-nested-routers-and-the-extractor)); [`IdempotencyContext`] as an extractor of its own (without the feature, use `Extension<IdempotencyContext>`); `MatchedPath` route labels for `metrics` |
 //! | `conformance` | no | `conformance`: the store conformance suite, to test a custom store |

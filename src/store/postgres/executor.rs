@@ -56,6 +56,21 @@ use super::PostgresStore;
 ///     Ok(())
 /// }
 /// ```
+#[cfg_attr(
+    not(feature = "sqlx"),
+    diagnostic::on_unimplemented(
+        message = "`{Self}` is not a connection or transaction the Postgres store can write through",
+        note = "sqlx's `&mut PgConnection` and `&mut Transaction<'_, Postgres>` need the `sqlx` feature of tower-idempotency",
+        note = "tokio-postgres's and deadpool-postgres's `&Client` and `&Transaction<'_>` work without it"
+    )
+)]
+#[cfg_attr(
+    feature = "sqlx",
+    diagnostic::on_unimplemented(
+        message = "`{Self}` is not a connection or transaction the Postgres store can write through",
+        note = "pass `&Client` or `&Transaction<'_>` (tokio-postgres, deadpool-postgres), or `&mut PgConnection` or `&mut Transaction<'_, Postgres>` (sqlx; `&mut *tx` and `&mut *conn` reach them)"
+    )
+)]
 pub trait Executor: sealed::Sealed {}
 
 impl<T: sealed::Sealed> Executor for T {}
@@ -75,7 +90,23 @@ pub(super) mod sealed {
         Sqlx(Vec<sqlx::postgres::PgRow>),
     }
 
-    /// How the store runs one statement through a caller's connection.
+    /// How the store runs one statement through a caller's connection. The same diagnostic
+    /// as `Executor`'s: a type that is not one is reported against this trait.
+    #[cfg_attr(
+        not(feature = "sqlx"),
+        diagnostic::on_unimplemented(
+            message = "`{Self}` is not a connection or transaction the Postgres store can write through",
+            note = "sqlx's `&mut PgConnection` and `&mut Transaction<'_, Postgres>` need the `sqlx` feature of tower-idempotency",
+            note = "tokio-postgres's and deadpool-postgres's `&Client` and `&Transaction<'_>` work without it"
+        )
+    )]
+    #[cfg_attr(
+        feature = "sqlx",
+        diagnostic::on_unimplemented(
+            message = "`{Self}` is not a connection or transaction the Postgres store can write through",
+            note = "pass `&Client` or `&Transaction<'_>` (tokio-postgres, deadpool-postgres), or `&mut PgConnection` or `&mut Transaction<'_, Postgres>` (sqlx; `&mut *tx` and `&mut *conn` reach them)"
+        )
+    )]
     pub trait Sealed: Send {
         /// Runs `sql` with `params`, whose Postgres types are `types` (the casts of the
         /// statement's `$n`: sqlx sends them, tokio-postgres infers them from the SQL).
