@@ -28,7 +28,10 @@ use tower::{service_fn, Layer, ServiceExt};
 use tower_idempotency::store::postgres::deadpool_postgres::Pool;
 use tower_idempotency::store::postgres::tokio_postgres::{self, NoTls};
 use tower_idempotency::store::postgres::{Executor, PostgresStore};
-use tower_idempotency::store::{IdempotencyStore, RecordState, StoreError, StoreErrorKind};
+use tower_idempotency::store::{
+    ClaimOutcome, ClaimRequest, Completion, IdempotencyStore, Record, RecordId, RecordState,
+    StoreError, StoreErrorKind, Token,
+};
 use tower_idempotency::{
     IdempotencyContext, IdempotencyLayer, RecordDecision, RecoveryPoint, RequestBody, ResponseBody,
     Timing,
@@ -613,6 +616,137 @@ async fn an_answer_recorded_in_the_handlers_transaction_is_replayed_to_the_retry
             assert_eq!(body_bytes(replay).await, want, "{what}");
         }
     }
+    let db = Arc::into_inner(db).expect("every service is dropped");
+    db.drop_now().await;
+}
+
+/// The store the layer calls, remembering what each of the layer's `complete` calls was
+/// answered.
+struct RememberingCompletes {
+    inner: Arc<PostgresStore>,
+    completes: std::sync::Mutex<Vec<Result<(), StoreErrorKind>>>,
+}
+
+#[async_trait::async_trait]
+impl IdempotencyStore for RememberingCompletes {
+    async fn claim(&self, request: &ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
+        self.inner.claim(request).await
+    }
+    async fn extend(
+        &self,
+        id: &RecordId,
+        token: &Token,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
+        self.inner.extend(id, token, lease).await
+    }
+    async fn complete(
+        &self,
+        id: &RecordId,
+        token: &Token,
+        completion: &Completion,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let answer = self.inner.complete(id, token, completion, ttl).await;
+        let kind = answer.as_ref().map(|_| ()).map_err(StoreError::kind);
+        self.completes.lock().unwrap().push(kind);
+        answer
+    }
+    async fn release(&self, id: &RecordId, token: &Token) -> Result<(), StoreError> {
+        self.inner.release(id, token).await
+    }
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        self.inner.get(id).await
+    }
+}
+
+/// A handler that forgets `RecordDecision::AlreadyRecorded`: `record_in` commits one answer,
+/// then the layer sees the response unmarked and completes the record itself with its own
+/// `complete`, which for a record this token completed already answers `Ok` and writes
+/// nothing (guarantee 3). The first recorded answer stands, and the retry replays it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_recorded_in_the_transaction_but_returned_unmarked_stands_and_the_layers_complete_is_ok(
+) {
+    let Some(url) = pg_support::url() else { return };
+    let db = Arc::new(Db::new(&url, "txunmarked").await);
+    let store = Arc::new(RememberingCompletes {
+        inner: db.store.clone(),
+        completes: Default::default(),
+    });
+    let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (db2, runs2) = (db.clone(), runs.clone());
+    let inner = service_fn(move |req: Request<RequestBody<Full<Bytes>>>| {
+        let (db, runs) = (db2.clone(), runs2.clone());
+        async move {
+            runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let ctx = req
+                .extensions()
+                .get::<IdempotencyContext>()
+                .cloned()
+                .unwrap();
+            let order = ctx.key().unwrap().to_owned();
+            let recorded = Response::builder()
+                .status(StatusCode::CREATED)
+                .body(Bytes::from(format!("{order}: recorded in the transaction")))
+                .unwrap();
+            let action = Action::RecordBytes(recorded);
+            db.phase(
+                Driver::DeadpoolTransaction,
+                &ctx,
+                &order,
+                &action,
+                Commit::IfOk,
+            )
+            .await
+            .unwrap();
+            // Another body than the one recorded, so the test sees which answer the record
+            // keeps; and no `RecordDecision::AlreadyRecorded`.
+            let returned = Response::builder()
+                .status(StatusCode::CREATED)
+                .body(Full::new(Bytes::from(format!(
+                    "{order}: returned unmarked"
+                ))))
+                .unwrap();
+            Ok::<_, Infallible>(returned)
+        }
+    });
+    let timing = Timing::new(LEASE, Duration::from_secs(120))
+        .unwrap()
+        .with_store_timeout(Duration::from_millis(400))
+        .unwrap();
+    let svc = IdempotencyLayer::from_arc(store.clone())
+        .unscoped()
+        .with_timing(timing)
+        .layer(inner);
+
+    let key = unique("unmarked");
+    let first = svc
+        .clone()
+        .oneshot(post("/orders", Some(&key), "{}"))
+        .await
+        .unwrap();
+    assert_eq!(first.status(), StatusCode::CREATED);
+    assert!(first.headers().get("idempotent-replayed").is_none());
+    // The client of this attempt gets what the handler returned.
+    assert_eq!(body_bytes(first).await, format!("{key}: returned unmarked"));
+    assert!(db.has_order(&key).await);
+    // The layer completed the record itself, and was answered as a resend: Ok, not fenced.
+    assert_eq!(*store.completes.lock().unwrap(), [Ok(())]);
+
+    let replay = svc
+        .oneshot(post("/orders", Some(&key), "{}"))
+        .await
+        .unwrap();
+    assert_eq!(replay.status(), StatusCode::CREATED);
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    // The record keeps the first answer, the one committed with the order.
+    assert_eq!(
+        body_bytes(replay).await,
+        format!("{key}: recorded in the transaction")
+    );
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1);
+
+    drop(store);
     let db = Arc::into_inner(db).expect("every service is dropped");
     db.drop_now().await;
 }

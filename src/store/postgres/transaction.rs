@@ -76,8 +76,14 @@ impl PostgresStore {
     /// Takes the response the handler returns, with any [`BufferedBody`] (`Bytes`, `String`,
     /// `Vec<u8>`, `Full<Bytes>`, …), so retries replay exactly what this attempt answered.
     /// Call it last before `COMMIT`, return `response` from the handler, and mark it with
-    /// [`RecordDecision::AlreadyRecorded`](crate::RecordDecision::AlreadyRecorded), or the
-    /// layer completes the record a second time (and is fenced).
+    /// [`RecordDecision::AlreadyRecorded`](crate::RecordDecision::AlreadyRecorded): the layer
+    /// then streams the body and only checks that the record is completed.
+    ///
+    /// Unmarked, the response goes through the layer's record policy. One it would record is
+    /// buffered and completed again with the same token, which the store answers `Ok`
+    /// without writing (the answer is recorded already); one it would release (a 5xx) gets a
+    /// release that is [`StoreErrorKind::Fenced`] and logged. Either way the answer committed
+    /// here stands, and retries replay it, not what the handler returned.
     pub async fn record_in<C, B>(
         &self,
         client: C,
@@ -109,8 +115,11 @@ impl PostgresStore {
     ///
     /// The statement row-locks the record until you commit, so a takeover (and the layer's
     /// lease renewal) waits for your outcome: call it last, just before `COMMIT`. After a
-    /// commit, `extend` and `release` with this token are fenced, and `complete` answers `Ok`
-    /// (the answer is recorded already). Under `REPEATABLE READ` or `SERIALIZABLE`, call
+    /// commit, `extend` and `release` with this token are fenced, and `complete` with it
+    /// answers `Ok` and writes nothing: the answer committed here stands, even when the
+    /// layer completes the record again because the response was not marked
+    /// [`RecordDecision::AlreadyRecorded`](crate::RecordDecision::AlreadyRecorded). Under
+    /// `REPEATABLE READ` or `SERIALIZABLE`, call
     /// [`lock_in`](Self::lock_in) first, or a renewal during the transaction makes this fail
     /// with a serialization failure.
     pub async fn complete_in<C>(
