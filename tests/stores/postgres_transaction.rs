@@ -6,7 +6,8 @@
 //! row written beside it; a stale holder's save after a takeover is fenced and its
 //! transaction rolls back; a point over a cap is refused before anything is sent; and a
 //! handler that records its answer (`Bytes`, `String` or `Full<Bytes>` body) in its
-//! transaction is replayed to the retry.
+//! transaction is replayed to the retry, and still is when the handler forgets to mark its
+//! response `AlreadyRecorded`.
 //!
 //! Needs `IDEMPOTENCY_TEST_POSTGRES_URL`; skipped with a printed reason when unset, unless
 //! `IDEMPOTENCY_REQUIRE_BACKENDS=1`. Each test works in a schema of its own and drops it.
