@@ -15,6 +15,8 @@ mod postgres_layer;
 #[cfg(all(feature = "conformance", feature = "postgres"))]
 mod postgres_store;
 #[cfg(feature = "postgres")]
+mod postgres_teardown;
+#[cfg(feature = "postgres")]
 mod postgres_transaction;
 mod recovery;
 #[cfg(all(feature = "conformance", feature = "redis"))]

@@ -113,6 +113,19 @@ impl PostgresStore {
     /// (Such a replica ignores the recovery points: it neither clears one when it completes,
     /// releases or replaces a record, nor hands one on.)
     ///
+    /// The functions outlive `DROP TABLE`. To remove everything it creates, stop every
+    /// replica (one that starts migrates again), then run, with the table's name as given to
+    /// [`with_table`](super::PostgresStoreBuilder::with_table) for `<table>`
+    /// (`app.records_claim_v3` for `app.records`):
+    ///
+    /// ```sql
+    /// DROP TABLE IF EXISTS <table>;  -- and its indexes
+    /// DROP FUNCTION IF EXISTS <table>_claim_v3;
+    /// DROP FUNCTION IF EXISTS <table>_claim_v2;
+    /// DROP FUNCTION IF EXISTS <table>_claim_new_v1;
+    /// DROP FUNCTION IF EXISTS <table>_claim;  -- made by earlier versions
+    /// ```
+    ///
     /// The server's notices (`relation … already exists, skipping`) are off for its
     /// transaction, so a start against an up-to-date table logs nothing; warnings still come.
     pub async fn migrate(&self) -> Result<(), SetupError> {
