@@ -277,6 +277,10 @@ pub(crate) struct Config {
     pub(crate) in_progress: InProgress,
     /// The status of an in-progress answer: 409, or what a [`Webhook`](crate::Webhook) chose.
     pub(crate) in_progress_status: http::StatusCode,
+    /// A retry of a request whose answer was too large to keep gets its original status,
+    /// empty, rather than the `410` problem: set by a [`Webhook`](crate::Webhook), whose
+    /// sender reads anything outside 2xx as a failure.
+    pub(crate) unkept_as_status: bool,
     pub(crate) renderer: Option<Renderer>,
     /// `None`: HTTP only.
     pub(crate) grpc: Option<Grpc>,

@@ -78,6 +78,7 @@ impl IdempotencyLayer {
                 store_failure: StoreFailure::closed(),
                 in_progress: InProgress::conflict(),
                 in_progress_status: http::StatusCode::CONFLICT,
+                unkept_as_status: false,
                 renderer: None,
                 grpc: None,
                 route_label: std::borrow::Cow::Borrowed("unnamed"),
@@ -205,7 +206,10 @@ impl IdempotencyLayer {
     }
 
     /// The largest response body recorded (default 1 MiB). A larger one streams to the client
-    /// and is recorded as a tombstone: retries get 410, never a second execution.
+    /// and is recorded as a tombstone: retries get 410, never a second execution. Under
+    /// [`with_webhook`](Self::with_webhook) a redelivery gets the original status instead,
+    /// with an empty body and [`REPLAY_OMITTED_HEADER`](crate::REPLAY_OMITTED_HEADER), so
+    /// the sender reads a taken event as taken.
     pub fn with_max_response_body(self, limit: NonZeroUsize) -> Self {
         self.edit(|c| c.max_response_body = limit.get())
     }

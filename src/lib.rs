@@ -311,7 +311,7 @@ pub use key::{Key, KeyPart};
 pub use layer::IdempotencyLayer;
 pub use policy::{DefaultRecordPolicy, RecordDecision, RecordPolicy, ResponseInfo};
 pub use recovery::{BoxError, RecoveryHandle, RecoveryPoint, RecoveryReport, RecoveryWorker};
-pub use response::TTL_HEADER;
+pub use response::{REPLAY_OMITTED_HEADER, TTL_HEADER};
 pub use service::{Idempotency, ResponseFuture};
 pub use webhook::{Webhook, DEFAULT_WEBHOOK_TTL};
 
@@ -326,7 +326,7 @@ pub use webhook::{Webhook, DEFAULT_WEBHOOK_TTL};
 /// | 408 | [`body-timeout`](#body-timeout) | the body did not arrive within `request_body_timeout` | `DEADLINE_EXCEEDED` |
 /// | 409 | [`in-progress`](#in-progress) | the first request with this key still runs; retry after `Retry-After` (1 s by default). `503` under [`Webhook`] | `ABORTED` |
 /// | 422 | [`key-reused`](#key-reused) | the key was used with a different request (body, path, method) | `FAILED_PRECONDITION` |
-/// | 410 | [`response-not-retained`](#response-not-retained) | the original completed, but its response was too large to keep | `ALREADY_EXISTS` |
+/// | 410 | [`response-not-retained`](#response-not-retained) | the original completed, but its response was too large to keep. Under [`Webhook`], not a problem: the original status, empty, with [`REPLAY_OMITTED_HEADER`] | `ALREADY_EXISTS` |
 /// | 429 | [`quota-exceeded`](#quota-exceeded) | the caller's scope holds as many records as the store's per-scope quota allows | `RESOURCE_EXHAUSTED` |
 /// | 503 | [`store-unavailable`](#store-unavailable) | the store failed; nothing ran; `Retry-After: 1` | `UNAVAILABLE` |
 /// | 500 | [`scope-missing`](#scope-missing) | no scope configured, or the scope function found none | `INTERNAL` |

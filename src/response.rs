@@ -2,7 +2,7 @@
 
 use bytes::Bytes;
 use http::header::{HeaderValue, CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
-use http::{HeaderMap, HeaderName, Response};
+use http::{HeaderMap, HeaderName, Response, StatusCode};
 use http_body::Body;
 use std::time::Duration;
 
@@ -12,6 +12,15 @@ use crate::record::StoredResponse;
 
 /// `Idempotent-Replayed: true` marks an answer that came from the store.
 pub(crate) const REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+/// `Idempotent-Replay-Omitted: too-large` marks a replay that stands in for an answer too
+/// large to keep (over [`with_max_response_body`](crate::IdempotencyLayer::with_max_response_body),
+/// or a record over the store's caps): under
+/// [`with_webhook`](crate::IdempotencyLayer::with_webhook), a redelivery of such an event
+/// gets the original status with an empty body, `Idempotent-Replayed: true` and this header,
+/// where outside webhook mode a retry gets the `410`
+/// [`response-not-retained`](crate::ErrorKind::ResponseNotRetained) problem.
+pub const REPLAY_OMITTED_HEADER: HeaderName = HeaderName::from_static("idempotent-replay-omitted");
 
 /// The header that publishes how long keys live, when
 /// [`with_ttl_header`](crate::IdempotencyLayer::with_ttl_header) is on.
@@ -187,6 +196,18 @@ pub(crate) fn replay<B: Body>(stored: StoredResponse) -> Response<ResponseBody<B
     *res.headers_mut() = stored.headers;
     res.headers_mut()
         .insert(REPLAYED, HeaderValue::from_static("true"));
+    res
+}
+
+/// The stand-in for an answer too large to keep (a tombstone), in webhook mode: its original
+/// `status`, an empty body, marked as replayed and as omitted. A sender reads the status, so
+/// a taken event stays taken; nothing of the original's headers or body is known any more.
+pub(crate) fn replay_omitted<B: Body>(status: StatusCode) -> Response<ResponseBody<B>> {
+    let mut res = Response::new(ResponseBody::full(Bytes::new(), None));
+    *res.status_mut() = status;
+    let h = res.headers_mut();
+    h.insert(REPLAYED, HeaderValue::from_static("true"));
+    h.insert(REPLAY_OMITTED_HEADER, HeaderValue::from_static("too-large"));
     res
 }
 

@@ -38,6 +38,14 @@ pub const DEFAULT_WEBHOOK_TTL: Duration = Duration::from_secs(7 * 24 * 60 * 60);
 ///   [`RecordDecision`](crate::RecordDecision) still comes first, and
 ///   [`with_record_policy`](crate::IdempotencyLayer::with_record_policy) after
 ///   `with_webhook` replaces the rule;
+/// - **acknowledges a taken event whose answer was too large to keep** (over
+///   [`with_max_response_body`](crate::IdempotencyLayer::with_max_response_body), recorded
+///   as a tombstone): its redelivery gets the status the first delivery was answered, with
+///   an empty body, `Idempotent-Replayed: true` and
+///   [`Idempotent-Replay-Omitted: too-large`](crate::REPLAY_OMITTED_HEADER), where outside
+///   webhook mode a retry gets the `410` problem, which a sender would read as a failure
+///   and redeliver for days. An answer outside 2xx, recorded under a policy of your own,
+///   gets its status the same way: the sender redelivers on it, as it did on the first;
 /// - **keeps records 7 days** ([`DEFAULT_WEBHOOK_TTL`], [`with_ttl`](Self::with_ttl));
 /// - **answers `503` with `Retry-After`** to a duplicate that arrives while the first
 ///   delivery still runs ([`with_in_progress_status`](Self::with_in_progress_status)). It
@@ -176,6 +184,7 @@ impl Webhook {
         c.timing.set_ttl(self.ttl);
         c.policy = Arc::new(TwoHundreds);
         c.in_progress_status = self.in_progress_status;
+        c.unkept_as_status = true;
         match self.scope {
             Some(scope) => c.scope = Scope::Fn(scope),
             None if matches!(c.scope, Scope::Unset) => c.scope = Scope::Fn(Arc::new(endpoint)),

@@ -52,6 +52,10 @@ pub(crate) struct WebhooksConfig {
     /// The shared secret of the demo signature.
     pub(crate) secret: Vec<u8>,
     pub(crate) hold: Option<Hold>,
+    /// The largest acknowledgement recorded (the layer's default, 1 MiB, when `None`). A
+    /// larger one is not kept, and a redelivery gets its status with an empty body and
+    /// `Idempotent-Replay-Omitted: too-large`: still a 2xx, so the sender stops.
+    pub(crate) max_response_body: Option<std::num::NonZeroUsize>,
 }
 
 /// Events processed since start, per sender: the work each delivery does once.
@@ -90,10 +94,16 @@ pub(crate) fn app(
         processed: processed.clone(),
         hold: config.hold,
     };
+    let max_response_body = config.max_response_body;
     let layer = |sender: &'static str, webhook: Webhook| {
-        IdempotencyLayer::from_arc(store.clone())
+        let layer = IdempotencyLayer::from_arc(store.clone())
             .with_max_request_body(std::num::NonZeroUsize::new(MAX_BODY).unwrap())
-            .with_route_label(sender)
+            .with_route_label(sender);
+        let layer = match max_response_body {
+            Some(limit) => layer.with_max_response_body(limit),
+            None => layer,
+        };
+        layer
             // One key space per tenant and sender: the sender's ids are unique only there.
             .with_webhook(webhook.with_scope(move |req| {
                 let tenant = req.extensions.get::<Tenant>()?;

@@ -47,6 +47,7 @@ async fn run() -> Result<(), common::BoxError> {
     let config = app::WebhooksConfig {
         secret: secret.into_bytes(),
         hold,
+        max_response_body: None,
     };
     let store = common::store_from_env().await?;
     let (router, _processed) = app::app(store, config);

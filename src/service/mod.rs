@@ -584,6 +584,13 @@ impl Keyed {
                 }
                 RecordState::Completed(Completion::Tombstone { status }) => {
                     self.outcome(Outcome::Tombstoned);
+                    // A webhook sender reads anything outside 2xx as "not taken" and
+                    // redelivers for days: it gets the status it was answered, empty.
+                    if cfg.unkept_as_status && !self.flow.grpc {
+                        let mut res = response::replay_omitted(status);
+                        self.publish_ttl(res.headers_mut());
+                        return Step::Answer(res);
+                    }
                     let err = IdempotencyError::new(ErrorKind::ResponseNotRetained, "the original request completed, but its response was too large to keep; it was not run again")
                         .original_status(status);
                     return Step::Answer(self.flow.error(err));

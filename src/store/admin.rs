@@ -77,7 +77,8 @@ pub enum RecordStatus {
     InProgress,
     /// Completed with an answer that replays.
     Completed,
-    /// Completed, with an answer too large to keep: retries get a problem response.
+    /// Completed, with an answer too large to keep: retries get a problem response (in
+    /// webhook mode, the original status with an empty body).
     Tombstone,
 }
 

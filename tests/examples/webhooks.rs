@@ -11,6 +11,7 @@ mod app;
 #[cfg(any(feature = "redis", feature = "postgres"))]
 use crate::support::backend as common;
 
+use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,7 +24,7 @@ use http_body_util::BodyExt;
 use sha2::Sha256;
 use tokio::sync::Notify;
 use tower::ServiceExt;
-use tower_idempotency::store::{AdminStore, MemoryStore, RecordId};
+use tower_idempotency::store::{AdminStore, MemoryStore, RecordId, RecordStatus};
 
 const SECRET: &[u8] = b"whsec_test";
 const DAY: Duration = Duration::from_secs(24 * 60 * 60);
@@ -174,9 +175,19 @@ struct Receivers {
 }
 
 fn receivers(store: Arc<dyn AdminStore>, hold: Option<app::Hold>) -> Receivers {
+    receivers_keeping(store, hold, None)
+}
+
+/// The receivers, recording acknowledgements up to `max_response_body` bytes.
+fn receivers_keeping(
+    store: Arc<dyn AdminStore>,
+    hold: Option<app::Hold>,
+    max_response_body: Option<NonZeroUsize>,
+) -> Receivers {
     let config = app::WebhooksConfig {
         secret: SECRET.to_vec(),
         hold,
+        max_response_body,
     };
     let (router, processed) = app::app(store.clone(), config);
     Receivers {
@@ -393,6 +404,65 @@ async fn twenty_concurrent_redeliveries_run_once(store: Arc<dyn AdminStore>, sen
     assert_eq!(sender.count(&r.processed), 1, "{s}");
 }
 
+/// Receivers that keep acknowledgements up to 8 bytes: Stripe's `{"received":true}` and
+/// Adyen's `[accepted]` are too large to keep (tombstones, decoded by each store), GitHub's
+/// empty `204` is kept. A redelivery of a taken event gets its 2xx either way, never the
+/// `410` a sender would read as a failure and redeliver for days: an unkept one empty and
+/// marked `Idempotent-Replay-Omitted: too-large`, a kept one byte for byte.
+async fn a_taken_event_whose_answer_was_too_large_to_keep_is_still_acknowledged_with_its_2xx(
+    store: Arc<dyn AdminStore>,
+) {
+    const KEPT: usize = 8;
+    let r = receivers_keeping(store, None, NonZeroUsize::new(KEPT));
+    for sender in SENDERS {
+        let s = sender.name();
+        let id = fresh(&format!("evt_large_answer_{s}"));
+        let before = sender.count(&r.processed);
+        let first = send(&r.router, sender.delivery("default", &id, 0)).await;
+        let status = first.status();
+        assert!(status.is_success() && !replayed(&first), "{s}: {status}");
+        let body = first.into_body().collect().await.unwrap().to_bytes();
+        let too_large = sender != Sender::Github;
+        assert_eq!(body.len() > KEPT, too_large, "{s}: {body:?}");
+        let info = r.store.inspect(&sender.record("default", &id)).await;
+        let info = info.unwrap().unwrap_or_else(|| panic!("{s}: a record"));
+        let want = if too_large {
+            RecordStatus::Tombstone
+        } else {
+            RecordStatus::Completed
+        };
+        assert_eq!(
+            (info.status, info.answer_status),
+            (want, Some(status)),
+            "{s}"
+        );
+
+        for attempt in [0, 1] {
+            let again = send(&r.router, sender.delivery("default", &id, attempt)).await;
+            assert_eq!(again.status(), status, "{s}: the first 2xx, not 410");
+            assert!(replayed(&again), "{s}");
+            let omitted = again.headers().get("idempotent-replay-omitted").cloned();
+            let replayed_body = again.into_body().collect().await.unwrap().to_bytes();
+            if too_large {
+                assert_eq!(omitted.unwrap(), "too-large", "{s}");
+                assert!(replayed_body.is_empty(), "{s}: {replayed_body:?}");
+            } else {
+                assert_eq!(omitted, None, "{s}");
+                assert_eq!(replayed_body, body, "{s}");
+            }
+        }
+        assert_eq!(sender.count(&r.processed), before + 1, "{s}: ran once");
+    }
+}
+
+#[tokio::test]
+async fn on_memory_a_taken_event_whose_answer_was_too_large_to_keep_is_acknowledged_with_its_2xx() {
+    a_taken_event_whose_answer_was_too_large_to_keep_is_still_acknowledged_with_its_2xx(Arc::new(
+        MemoryStore::new(),
+    ))
+    .await;
+}
+
 #[tokio::test(start_paused = true)]
 async fn on_memory_each_receiver_acknowledges_redeliveries_after_1_s_and_3_days_without_running_again(
 ) {
@@ -489,4 +559,23 @@ async fn on_postgres_twenty_concurrent_redeliveries_run_each_receivers_work_once
     for sender in SENDERS {
         twenty_concurrent_redeliveries_run_once(store.clone(), sender).await;
     }
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn on_redis_a_taken_event_whose_answer_was_too_large_to_keep_is_acknowledged_with_its_2xx() {
+    let Some(store) = redis().await else { return };
+    a_taken_event_whose_answer_was_too_large_to_keep_is_still_acknowledged_with_its_2xx(store)
+        .await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn on_postgres_a_taken_event_whose_answer_was_too_large_to_keep_is_acknowledged_with_its_2xx()
+{
+    let Some(store) = postgres().await else {
+        return;
+    };
+    a_taken_event_whose_answer_was_too_large_to_keep_is_still_acknowledged_with_its_2xx(store)
+        .await;
 }

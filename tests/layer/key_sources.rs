@@ -18,8 +18,8 @@ use support::{assert_problem, body_bytes, counting, CountingStore};
 use tokio::sync::Notify;
 use tower::{Layer, Service, ServiceExt};
 use tower_idempotency::{
-    ErrorKind, IdempotencyLayer, JsonPointer, Key, KeyPart, RequestBody, Webhook,
-    DEFAULT_WEBHOOK_TTL,
+    ErrorKind, IdempotencyLayer, InProgress, JsonPointer, Key, KeyPart, RequestBody, ResponseInfo,
+    Webhook, DEFAULT_WEBHOOK_TTL,
 };
 
 type Req = Request<RequestBody<Full<Bytes>>>;
@@ -747,4 +747,103 @@ async fn a_duplicate_while_the_first_delivery_runs_is_503_with_retry_after_or_th
         assert!(replayed(&after));
         assert_eq!(gated.runs.load(Ordering::SeqCst), 1);
     }
+}
+
+/// The webhook layer of [`stripe`], keeping answers of at most `kept` bytes.
+fn stripe_keeping(store: &Arc<CountingStore>, kept: usize) -> IdempotencyLayer {
+    stripe(store).with_max_response_body(std::num::NonZeroUsize::new(kept).unwrap())
+}
+
+/// A redelivery's answer when the original was too large to keep: `status`, empty, marked.
+async fn assert_omitted<B>(res: Response<B>, status: StatusCode)
+where
+    B: Body,
+    B::Error: std::fmt::Debug,
+{
+    assert_eq!(res.status(), status);
+    assert!(replayed(&res), "{status}");
+    assert_eq!(res.headers()["idempotent-replay-omitted"], "too-large");
+    assert!(res.headers().get("content-type").is_none());
+    assert_eq!(body_bytes(res).await, "", "{status}");
+}
+
+#[tokio::test]
+async fn webhook_mode_acknowledges_a_taken_event_too_large_to_keep_with_its_status_not_410() {
+    let (store, work) = (counting(), Work::default());
+    // `run 1` is 5 bytes: a tombstone.
+    let s = svc(stripe_keeping(&store, 4), &work);
+    for (id, status) in [("evt_1", StatusCode::OK), ("evt_2", StatusCode::ACCEPTED)] {
+        let body = format!(r#"{{"id":"{id}"}}"#);
+        let mut first = json("/webhooks/stripe", &body);
+        first
+            .headers_mut()
+            .insert("x-answer", status.as_str().parse().unwrap());
+        let first = call(&s, first).await;
+        assert_eq!((first.status(), replayed(&first)), (status, false));
+        assert!(
+            body_bytes(first).await.starts_with(b"run "),
+            "streamed whole"
+        );
+        // The redelivery carries no `x-answer`: the status comes from the tombstone.
+        assert_omitted(call(&s, json("/webhooks/stripe", &body)).await, status).await;
+    }
+    assert_eq!(work.runs(), 2);
+
+    // Outside webhook mode, the same tombstone is still the 410 problem.
+    let plain = IdempotencyLayer::from_arc(store.clone())
+        .unscoped()
+        .with_max_response_body(std::num::NonZeroUsize::new(4).unwrap());
+    let s = svc(plain, &work);
+    let keyed = || support::post("/orders", Some("k1"), "{}");
+    assert_eq!(call(&s, keyed()).await.status(), StatusCode::OK);
+    let retry = call(&s, keyed()).await;
+    assert!(retry.headers().get("idempotent-replay-omitted").is_none());
+    let problem = assert_problem(retry, ErrorKind::ResponseNotRetained).await;
+    assert_eq!(problem["original_status"], 200);
+    assert_eq!(work.runs(), 3);
+}
+
+#[tokio::test]
+async fn webhook_mode_answers_a_recorded_non_2xx_too_large_to_keep_with_its_status_too() {
+    let (store, work) = (counting(), Work::default());
+    // A policy of the user's own that records every answer.
+    let layer = stripe_keeping(&store, 4).with_record_policy(|_: &ResponseInfo<'_>| true);
+    let s = svc(layer, &work);
+    let mut first = json("/webhooks/stripe", r#"{"id":"evt_1"}"#);
+    first
+        .headers_mut()
+        .insert("x-answer", "409".parse().unwrap());
+    assert_eq!(call(&s, first).await.status(), StatusCode::CONFLICT);
+    let again = call(&s, json("/webhooks/stripe", r#"{"id":"evt_1"}"#)).await;
+    assert_omitted(again, StatusCode::CONFLICT).await;
+    assert_eq!(work.runs(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_webhook_redelivery_waiting_for_the_first_gets_its_status_when_the_answer_was_too_large_to_keep(
+) {
+    let store = counting();
+    let gated = Gated {
+        started: Arc::default(),
+        gate: Arc::default(),
+        runs: Arc::default(),
+    };
+    // `done` is 4 bytes: a tombstone.
+    let s = stripe_keeping(&store, 3)
+        .with_in_progress(InProgress::wait(Duration::from_secs(10)))
+        .layer(gated.clone());
+    let delivery = || json("/webhooks/stripe", r#"{"id":"evt_1"}"#);
+    let first = tokio::spawn(s.clone().oneshot(delivery()));
+    gated.started.notified().await;
+    let waiting = tokio::spawn(s.clone().oneshot(delivery()));
+    // Its claim found the first in progress, and its wait polls the record.
+    while store.gets.load(Ordering::SeqCst) == 0 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    gated.gate.notify_one();
+    let first = first.await.unwrap().unwrap();
+    assert_eq!((first.status(), replayed(&first)), (StatusCode::OK, false));
+    assert_eq!(body_bytes(first).await, "done");
+    assert_omitted(waiting.await.unwrap().unwrap(), StatusCode::OK).await;
+    assert_eq!(gated.runs.load(Ordering::SeqCst), 1);
 }
