@@ -70,10 +70,14 @@
 //! # }
 //! ```
 //!
-//! With hyper-util: `Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>()` is the
-//! inner service (`examples/client`). With tonic, map the buffered body into tonic's own in
-//! between: `.map_request(|r: Request<Full<Bytes>>| r.map(tonic::body::Body::new))` before
-//! the channel. Only unary calls: a streaming request body would be buffered to its end.
+//! The inner service takes a [`BufferedRequest`], `http::Request<Full<Bytes>>`:
+//! [`Bytes`] and [`Full`] are re-exported here, so a client needs no `bytes` or
+//! `http-body-util` of its own. With hyper-util,
+//! `Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>()` is the inner service
+//! (`examples/client`). With tonic, map the buffered body into tonic's own in between:
+//! `.map_request(|r: BufferedRequest| r.map(tonic::body::Body::new))` before the channel,
+//! as in the [tonic guide](crate::tonic_guide#the-client-side) and `examples/grpc_client`.
+//! Only unary calls: a streaming request body would be buffered to its end.
 //!
 //! # Where to put it
 //!
@@ -104,17 +108,25 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
 use http::request::Parts;
 use http::{HeaderName, HeaderValue, Request, Response};
 use http_body::Body;
-use http_body_util::{BodyExt, Full};
+use http_body_util::BodyExt;
 use tokio::time::Instant;
 use tower_layer::Layer;
 use tower_service::Service;
 
 use policy::{AttemptPolicy, Rng};
 pub use policy::{Backoff, Jitter, RetryBudget};
+
+/// The body buffer of a [`BufferedRequest`] (from `bytes`).
+pub use bytes::Bytes;
+/// The body of a [`BufferedRequest`] (from `http-body-util`).
+pub use http_body_util::Full;
+
+/// What [`IdempotentRetry`] sends its inner service on every attempt: the caller's request
+/// with its body buffered once, so each attempt sends the same bytes.
+pub type BufferedRequest = Request<Full<Bytes>>;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type KeyFn = dyn Fn(&Parts) -> Option<HeaderValue> + Send + Sync;

@@ -1,9 +1,12 @@
 //! The client retry layer under a real tonic client, against the gRPC shop example and its
-//! server-side idempotency layer.
+//! server-side idempotency layer; and the gRPC client example against the same server.
 
 #[path = "../../examples/grpc/app.rs"]
 #[allow(dead_code)]
 mod app;
+/// The gRPC client example's client and intents (its `super::pb` is the shop's).
+#[path = "../../examples/grpc_client/pay.rs"]
+mod grpc_client;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -21,9 +24,10 @@ use tower_idempotency::client::{Backoff, IdempotentRetryLayer, Jitter, RetryOutc
 use tower_idempotency::store::MemoryStore;
 use tower_idempotency::Timing;
 
-use app::pb::payments_client::PaymentsClient;
-use app::pb::CreatePaymentRequest;
+use app::pb;
 use app::{CardGate, Shop, ShopConfig};
+use pb::payments_client::PaymentsClient;
+use pb::CreatePaymentRequest;
 
 /// Serves the shop on 127.0.0.1:0; returns a plain channel to it.
 async fn serve(config: ShopConfig) -> (Channel, Arc<Shop>) {
@@ -169,4 +173,39 @@ async fn an_in_progress_abort_is_retried_after_its_retry_info_and_gets_the_repla
     assert_eq!(outcome.key(), "k-in-progress");
     assert_eq!(second.get_ref(), first.get_ref());
     assert_eq!(shop.card_calls(), 1);
+}
+
+#[tokio::test]
+async fn the_grpc_client_example_pays_each_intent_once_and_a_second_run_replays_them() {
+    let (channel, shop) = serve(config(Timing::default(), None)).await;
+    let mut client = grpc_client::client(channel, layer().with_max_retries(3));
+    let keys = grpc_client::keys("test", 5);
+
+    let first = grpc_client::pay(&mut client, &keys, 1000).await;
+    let summary = grpc_client::Summary::of(&first);
+    assert_eq!(
+        (
+            summary.intents,
+            summary.attempts,
+            summary.replays,
+            summary.failures
+        ),
+        (5, 5, 0, 0),
+        "{first:?}"
+    );
+    assert_eq!(shop.charges(), 5);
+    let ids: Vec<_> = first.iter().map(|p| p.payment.clone().unwrap()).collect();
+    assert_eq!(ids, ["pay_1", "pay_2", "pay_3", "pay_4", "pay_5"]);
+
+    // The same intents again (a restarted run): each key is answered from its record.
+    let again = grpc_client::pay(&mut client, &keys, 1000).await;
+    assert!(again.iter().all(|p| p.replayed), "{again:?}");
+    let replayed: Vec<_> = again.iter().map(|p| p.payment.clone().unwrap()).collect();
+    assert_eq!(replayed, ids);
+    assert_eq!(shop.charges(), 5);
+
+    // The card network down: each intent is retried, with its key, until the retries run out.
+    let down = grpc_client::pay(&mut client, &grpc_client::keys("down", 1), 503).await;
+    assert_eq!(down[0].payment, Err(Code::Unavailable));
+    assert_eq!(shop.card_calls(), 5 + 4);
 }
