@@ -9,7 +9,7 @@ use http::{HeaderMap, Response};
 use sha2::{Digest, Sha256};
 
 use crate::config::Config;
-use crate::record::{hex, Completion, Fingerprint, RecordId, Token};
+use crate::record::{hex, Completion, Fingerprint, RecordId, ScopeId, Token};
 use crate::recovery::RecoveryPoint;
 use crate::store::{StoreError, StoreErrorKind};
 
@@ -27,7 +27,10 @@ use crate::store::{StoreError, StoreErrorKind};
 pub struct IdempotencyContext {
     /// `None` in a context the recovery worker built: stores never keep the client's key.
     key: Option<Arc<str>>,
+    /// `None` in a context the recovery worker built: stores never keep the scope either.
     scope: Option<Arc<str>>,
+    /// The scope's id, which a recovery point keeps (the worker knows only this).
+    scope_id: ScopeId,
     record_id: RecordId,
     fingerprint: Fingerprint,
     token: Token,
@@ -54,6 +57,7 @@ impl IdempotencyContext {
     pub(crate) fn new(
         key: Option<Arc<str>>,
         scope: Option<Arc<str>>,
+        scope_id: ScopeId,
         record_id: RecordId,
         fingerprint: Fingerprint,
         token: Token,
@@ -64,6 +68,7 @@ impl IdempotencyContext {
         Self {
             key,
             scope,
+            scope_id,
             record_id,
             fingerprint,
             token,
@@ -122,7 +127,7 @@ impl IdempotencyContext {
     /// against the caps: for a store that saves it in the handler's own transaction
     /// (`PostgresStore::save_recovery_point_in`).
     pub fn recovery_point_for(&self, step: &str, data: Bytes) -> Result<RecoveryPoint, StoreError> {
-        RecoveryPoint::new(step, data, self.scope(), self.generation())
+        RecoveryPoint::new(step, data, self.scope_id, self.generation())
     }
 
     /// How long the recorded answer is kept: the layer's retention TTL.
@@ -136,7 +141,15 @@ impl IdempotencyContext {
     /// `max_response_body` or the record's caps. For a handler that completes its own record,
     /// such as [`PostgresStore::record_in`](crate::store::postgres::PostgresStore::record_in).
     /// Retries get exactly this, so pass the response the handler returns.
-    pub fn completion(&self, response: &Response<Bytes>) -> Completion {
+    ///
+    /// # Errors
+    ///
+    /// [`StoreErrorKind::Unguarded`] when the answer's `Vary` names request headers (and Vary
+    /// matching is on) in a context without a request, the
+    /// [recovery worker](crate::RecoveryWorker)'s: such an answer cannot carry its Vary
+    /// guard, so it is never built. Answer without that `Vary`, or leave it to the client's
+    /// retry, which has the headers.
+    pub fn completion(&self, response: &Response<Bytes>) -> Result<Completion, StoreError> {
         crate::recording::completion(
             &self.config,
             self.request_headers.as_deref(),
@@ -154,7 +167,10 @@ impl IdempotencyContext {
         self.key.as_deref()
     }
 
-    /// The scope the key lives in; `None` when the layer is unscoped.
+    /// The scope the key lives in; `None` when the layer is unscoped, and in the context the
+    /// [recovery worker](crate::RecoveryWorker) runs a recovery with: stores keep only the
+    /// scope's hash. A recover function that needs the tenant reads it from the data its
+    /// handler saved in the [`RecoveryPoint`].
     pub fn scope(&self) -> Option<&str> {
         self.scope.as_deref()
     }
@@ -203,6 +219,7 @@ mod tests {
         IdempotencyContext::new(
             Some(key.into()),
             scope.map(Into::into),
+            ScopeId::new(scope),
             RecordId::new(scope, key),
             Fingerprint::from_bytes([0; 32]),
             Token::from_parts(generation, [7; 16]),
@@ -222,7 +239,7 @@ mod tests {
             .header("set-cookie", "session=1")
             .body(Bytes::from_static(b"{}"))
             .unwrap();
-        let Completion::Response(stored) = c.completion(&res) else {
+        let Ok(Completion::Response(stored)) = c.completion(&res) else {
             panic!("a response")
         };
         assert_eq!(stored.status, 201);

@@ -310,7 +310,9 @@ pub use grpc::Grpc;
 pub use key::{Key, KeyPart};
 pub use layer::IdempotencyLayer;
 pub use policy::{DefaultRecordPolicy, RecordDecision, RecordPolicy, ResponseInfo};
-pub use recovery::{BoxError, RecoveryHandle, RecoveryPoint, RecoveryReport, RecoveryWorker};
+pub use recovery::{
+    BoxError, RecoveredBody, RecoveryHandle, RecoveryPoint, RecoveryReport, RecoveryWorker,
+};
 pub use response::{REPLAY_OMITTED_HEADER, TTL_HEADER};
 pub use service::{Idempotency, ResponseFuture};
 pub use webhook::{Webhook, DEFAULT_WEBHOOK_TTL};

@@ -10,12 +10,37 @@ use sha2::{Digest, Sha256};
 use crate::config::Config;
 use crate::record::{Completion, StoredResponse, VaryGuard};
 use crate::response::VARY_DIGEST;
+use crate::store::{StoreError, StoreErrorKind};
 
-/// The completion to store for an answer. `request` is the recording request's headers when
-/// Vary matching is on. An answer whose body is over `max_response_body`, or whose stored
-/// form is over the record's caps, is a tombstone: it is never run twice, and never stored
-/// in a form that cannot be read back.
+/// The completion to store for an answer recorded by a handler or the recovery worker.
+/// `request` is the recording request's headers when Vary matching is on, and `None` where
+/// no request exists (the worker's context): an answer whose `Vary` names request headers is
+/// then refused ([`StoreErrorKind::Unguarded`]) rather than stored without its guard. The
+/// layer's own recording ([`completion_taking`]) always has the request's headers when
+/// Vary matching is on, so the refusal cannot apply there.
 pub(crate) fn completion(
+    cfg: &Config,
+    request: Option<&HeaderMap>,
+    status: StatusCode,
+    headers: &HeaderMap,
+    body: Bytes,
+    trailers: Option<&HeaderMap>,
+) -> Result<Completion, StoreError> {
+    if cfg.vary_match && request.is_none() && names_vary(headers) {
+        return Err(StoreError::with_source(
+            StoreErrorKind::Unguarded,
+            "the answer's Vary names request headers, and no request's headers are known here \
+             (the recovery worker runs without one): it cannot carry its Vary guard, so it is \
+             not recorded; let the client's retry, which has the headers, record it",
+        ));
+    }
+    Ok(build(cfg, request, status, headers, body, trailers))
+}
+
+/// An answer whose body is over `max_response_body`, or whose stored form is over the
+/// record's caps, is a tombstone: it is never run twice, and never stored in a form that
+/// cannot be read back.
+fn build(
     cfg: &Config,
     request: Option<&HeaderMap>,
     status: StatusCode,
@@ -72,7 +97,7 @@ pub(crate) fn completion_taking(
         .keys()
         .all(|n| crate::response::is_recorded(n, &cfg.unrecorded_headers));
     if !all_kept || body.len() > cfg.max_response_body {
-        return completion(cfg, request, status, headers, body, trailers);
+        return build(cfg, request, status, headers, body, trailers);
     }
     let vary = request.and_then(|request| vary_guard(headers, request));
     match fitted(cfg, status, std::mem::take(headers), body, trailers, vary) {
@@ -217,7 +242,7 @@ mod tests {
     fn the_vary_guard_follows_the_answers_vary_even_when_vary_is_not_replayed() {
         let cfg = config(&["vary"], true);
         let alice = request("Bearer alice");
-        let c = completion(
+        let c = build(
             &cfg,
             Some(&alice),
             StatusCode::CREATED,
@@ -242,7 +267,7 @@ mod tests {
             );
         }
         assert_eq!(headers.len(), MAX_RECORDED_FIELDS);
-        let c = completion(
+        let c = build(
             &cfg,
             Some(&request("Bearer alice")),
             StatusCode::OK,
@@ -256,6 +281,37 @@ mod tests {
     }
 
     #[test]
+    fn an_answer_varying_on_request_headers_is_refused_where_no_request_exists() {
+        let cfg = config(&[], true);
+        let answer = answer_varying_on_authorization();
+        let body = Bytes::from_static(b"alice's statement");
+        let e = completion(&cfg, None, StatusCode::OK, &answer, body.clone(), None).unwrap_err();
+        assert_eq!(e.kind(), StoreErrorKind::Unguarded);
+        assert!(
+            std::error::Error::source(&e)
+                .unwrap()
+                .to_string()
+                .contains("Vary guard"),
+            "{e:?}"
+        );
+        // With the request's headers the guard is built; with Vary matching off, none is
+        // asked for; an answer without Vary needs none.
+        let alice = request("Bearer alice");
+        let guarded = completion(
+            &cfg,
+            Some(&alice),
+            StatusCode::OK,
+            &answer,
+            body.clone(),
+            None,
+        );
+        assert!(matches!(guarded, Ok(Completion::Response(r)) if r.vary.is_some()));
+        let off = config(&[], false);
+        assert!(completion(&off, None, StatusCode::OK, &answer, body.clone(), None).is_ok());
+        assert!(completion(&cfg, None, StatusCode::OK, &HeaderMap::new(), body, None).is_ok());
+    }
+
+    #[test]
     fn answers_over_the_caps_or_the_body_limit_are_tombstones() {
         let cfg = config(&[], true);
         let mut many = HeaderMap::new();
@@ -265,7 +321,7 @@ mod tests {
                 HeaderValue::from_static("v"),
             );
         }
-        let big = completion(&cfg, None, StatusCode::OK, &many, Bytes::new(), None);
+        let big = build(&cfg, None, StatusCode::OK, &many, Bytes::new(), None);
         assert_eq!(
             big,
             Completion::Tombstone {
@@ -273,7 +329,7 @@ mod tests {
             }
         );
         let body = Bytes::from(vec![0u8; (1 << 16) + 1]);
-        let c = completion(&cfg, None, StatusCode::OK, &HeaderMap::new(), body, None);
+        let c = build(&cfg, None, StatusCode::OK, &HeaderMap::new(), body, None);
         assert_eq!(
             c,
             Completion::Tombstone {
@@ -351,7 +407,7 @@ mod tests {
         ) {
             let cfg = config(if unrecorded_vary { &["vary"] } else { &[] }, vary_match);
             let request = vary_match.then_some(&request);
-            let c = completion(&cfg, request, StatusCode::OK, &headers, Bytes::from(vec![7; body_len]), trailers.as_ref());
+            let c = build(&cfg, request, StatusCode::OK, &headers, Bytes::from(vec![7; body_len]), trailers.as_ref());
             match &c {
                 Completion::Tombstone { status } => prop_assert_eq!(*status, StatusCode::OK),
                 Completion::Response(_) => {

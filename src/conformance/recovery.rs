@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use crate::store::{ClaimOutcome, ClaimRequest};
-use crate::store::{Record, RecordId, RecordState, Token};
+use crate::store::{Record, RecordId, RecordState, ScopeId, Token};
 use crate::RecoveryPoint;
 use bytes::Bytes;
 
@@ -14,7 +14,7 @@ pub(super) fn point(token: &Token, step: &str, data: &'static [u8]) -> RecoveryP
     RecoveryPoint::new(
         step,
         Bytes::from_static(data),
-        Some("conformance"),
+        ScopeId::new(Some("conformance")),
         token.generation(),
     )
     .expect("a point within the caps")
@@ -49,7 +49,10 @@ pub async fn recovery_points_are_fenced_and_handed_to_a_takeover(store: DynStore
         "the latest point"
     );
     let p = record.recovery_point.as_ref().unwrap();
-    assert_eq!((p.generation(), p.scope()), (1, Some("conformance")));
+    assert_eq!(
+        (p.generation(), p.scope_id()),
+        (1, ScopeId::new(Some("conformance")))
+    );
 
     tokio::time::sleep(short + Duration::from_millis(250)).await;
     let second = match store
@@ -124,7 +127,7 @@ pub async fn recovery_points_are_fenced_and_handed_to_a_takeover(store: DynStore
     );
 }
 
-/// The largest recovery point (step, data and scope at their caps, every byte value) comes
+/// The largest recovery point (step and data at their caps, every byte value) comes
 /// back byte for byte, and a point saved on a record counted against nothing else leaves its
 /// answer untouched when a shorter point replaces it.
 pub async fn the_largest_recovery_point_round_trips(store: DynStore) {
@@ -138,7 +141,7 @@ pub async fn the_largest_recovery_point_round_trips(store: DynStore) {
     let big = RecoveryPoint::new(
         &step,
         Bytes::from(data.clone()),
-        Some(&scope),
+        ScopeId::new(Some(&scope)),
         token.generation(),
     )
     .unwrap();

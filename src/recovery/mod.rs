@@ -1,6 +1,7 @@
 //! Resumable work: [`RecoveryPoint`]s, and the [`RecoveryWorker`] that finishes keys whose
 //! holder died after saving one. The [guide](crate::resumable) shows the pattern.
 
+mod body;
 mod point;
 
 use std::collections::HashSet;
@@ -10,16 +11,16 @@ use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::Bytes;
 use futures_util::FutureExt;
 use http::Response;
 use tokio::time::Instant;
 
+pub use body::RecoveredBody;
 pub use point::RecoveryPoint;
 
 use crate::config::Config;
 use crate::policy::{decide, RecordDecision, ResponseInfo};
-use crate::record::{RecordId, RecordState, ScopeId, Token};
+use crate::record::{Completion, Record, RecordId, RecordState, Token};
 use crate::store::{ClaimOutcome, ClaimRequest, StoreError, StoreErrorKind};
 use crate::{IdempotencyContext, IdempotencyLayer};
 
@@ -36,7 +37,9 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 /// the point, and records the answer it returns, so the client's next retry replays it.
 ///
 /// Spawn one per process (or a few per fleet: two workers never recover one record twice,
-/// because the takeover is the store's atomic claim). A worker recovers every record its
+/// because the takeover is the store's atomic claim). The handle it gives back does not
+/// stop it when dropped, as with tokio's `JoinHandle`: stop it with
+/// [`RecoveryHandle::stop`] or [`RecoveryHandle::abort`]. A worker recovers every record its
 /// store lists: services that share a database give each its own Redis key prefix or
 /// Postgres table. Only records that saved a point are
 /// looked at, so requests that never save one cost the worker nothing.
@@ -60,12 +63,24 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 /// # }
 /// ```
 ///
+/// **It acts only on what its own claim returned.** A sweep's listing can be a whole sweep
+/// old by the time the worker reaches a record: a retry may have taken it over since, and
+/// released it (which drops its point), or died; an operator may have released it; it may
+/// have expired. So the listing only picks what to try. The worker runs the recover function
+/// only when its claim is a takeover, with the point *that claim* handed over, and only while
+/// the *claimed* generation is within the cap. A first claim (the record was gone: the
+/// worker never recreates a key), a takeover without a point, or one past the cap is given
+/// back at once without running: a first claim is released (the key is absent again), a
+/// takeover's lease is ended (the record, its point and its history stay as they were,
+/// one generation on). Each is counted as `given_back` (past the cap: `left`).
+///
 /// **Bounded.** A record gets at most [`with_max_attempts`](Self::with_max_attempts) attempts
 /// in all (default 5), its first one included: each takeover, by a client's retry or by a
-/// worker, is one. The worker takes a record over while its generation is below that; past it
-/// the record is left for an operator ([`IdempotencyAdmin`](crate::store::IdempotencyAdmin)),
-/// logged at `ERROR` once per worker and counted as `left`, so a record whose recovery always
-/// fails never loops. Left records do not use up a sweep's batch: the worker lists past them.
+/// worker, is one. The worker runs a recovery only under a claim whose generation is at most
+/// that; past it the record is left for an operator
+/// ([`IdempotencyAdmin`](crate::store::IdempotencyAdmin)), logged at `ERROR` once per worker
+/// and counted as `left`, so a record whose recovery always fails never loops. Left records
+/// do not use up a sweep's batch: the worker lists past them.
 ///
 /// **A failed attempt** (the function returns `Err`, panics, or answers what the layer's
 /// record policy would release, such as a 5xx) is logged and counted as `failed`; the claim
@@ -74,10 +89,17 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 ///
 /// **What is recorded** is built as the layer builds it: the same kept headers, caps and
 /// tombstones. The worker has no request, so an answer whose `Vary` names request headers
-/// cannot carry the layer's Vary guard: with Vary matching on, such an answer is not
-/// recorded (a failed attempt) and the client's retry, which has the headers, resumes.
-/// A function that records the answer itself (`PostgresStore::record_in`) marks its
-/// response with [`RecordDecision::AlreadyRecorded`], as a handler does.
+/// cannot carry the layer's Vary guard: with Vary matching on, such an answer is refused
+/// (a failed attempt, never stored unguarded) and the client's retry, which has the
+/// headers, resumes. A function that records the answer itself (`PostgresStore::record_in`)
+/// marks its response with [`RecordDecision::AlreadyRecorded`], as a handler does; there
+/// too, [`IdempotencyContext::completion`] and `record_in` refuse such an answer with
+/// [`StoreErrorKind::Unguarded`].
+///
+/// **What the recover function knows**: the record id, [`derive`](IdempotencyContext::derive),
+/// the generation and the point (its step and data). Not the client's key nor the scope:
+/// stores keep neither in the clear, points included. A handler that needs the tenant in a
+/// recovery saves its own id for it in the point's data, knowingly.
 pub struct RecoveryWorker<F> {
     config: Arc<Config>,
     recover: F,
@@ -99,17 +121,20 @@ impl<F> std::fmt::Debug for RecoveryWorker<F> {
     }
 }
 
-impl<F, Fut> RecoveryWorker<F>
+impl<F, Fut, B> RecoveryWorker<F>
 where
     F: Fn(IdempotencyContext) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = Result<Response<Bytes>, BoxError>> + Send + 'static,
+    Fut: Future<Output = Result<Response<B>, BoxError>> + Send + 'static,
+    B: RecoveredBody,
 {
     /// A worker over `layer`'s store, with its lease, retention and recording rules. `recover`
-    /// gets the context of its takeover: [`scope`](IdempotencyContext::scope),
-    /// [`record_id`](IdempotencyContext::record_id),
-    /// [`recovery_point`](IdempotencyContext::recovery_point) (always `Some`) and
+    /// gets the context of its takeover: [`record_id`](IdempotencyContext::record_id),
+    /// [`recovery_point`](IdempotencyContext::recovery_point) (always `Some`: the point its
+    /// own claim handed over), [`generation`](IdempotencyContext::generation) and
     /// [`derive`](IdempotencyContext::derive) are those a retry's handler would see; its
-    /// [`key`](IdempotencyContext::key) is `None`, since stores keep only the key's hash.
+    /// [`key`](IdempotencyContext::key) and [`scope`](IdempotencyContext::scope) are `None`,
+    /// since stores keep only their hashes. It answers with any [`RecoveredBody`], axum's
+    /// `Body` included (feature `axum`).
     pub fn new(layer: &IdempotencyLayer, recover: F) -> Self {
         Self {
             config: layer.config.clone(),
@@ -129,8 +154,9 @@ where
         self
     }
 
-    /// The highest generation a record may reach by recoveries (default 5): past it the
-    /// record is left for an operator.
+    /// The most attempts a record gets, its first included (default 5): the worker runs a
+    /// recovery only under a claim of at most this generation; past it the record is left
+    /// for an operator.
     #[must_use]
     pub fn with_max_attempts(mut self, n: NonZeroU64) -> Self {
         self.max_attempts = n.get();
@@ -176,21 +202,33 @@ where
                 Outcome::Failed => report.failed += 1,
                 Outcome::Left => report.left += 1,
                 Outcome::Taken => report.taken += 1,
+                Outcome::GivenBack => report.given_back += 1,
             }
         }
         Ok(report)
     }
 
     /// Sweeps every [`with_interval`](Self::with_interval) on a task of its own, until the
-    /// handle stops it. Quiet when it finds nothing; each record it recovers is logged.
+    /// handle stops it ([`RecoveryHandle::stop`] or [`abort`](RecoveryHandle::abort)).
+    /// Dropping the handle does not stop it: the worker then runs as long as the runtime.
+    /// Quiet when it finds nothing; each record it recovers is logged.
     pub fn spawn(self) -> RecoveryHandle {
         let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(async move {
             let mut tick = tokio::time::interval(self.interval);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            // Only an explicit stop ends the loop: a dropped handle closes the channel, and
+            // the worker goes on without listening to it.
+            let mut listening = true;
             loop {
                 tokio::select! {
-                    _ = &mut stopped => return,
+                    stop = &mut stopped, if listening => match stop {
+                        Ok(()) => return,
+                        Err(_) => {
+                            listening = false;
+                            continue;
+                        }
+                    },
                     _ = tick.tick() => {}
                 }
                 match self.run_once().await {
@@ -211,32 +249,24 @@ where
         }
     }
 
-    async fn recover_one(&self, id: RecordId, record: crate::record::Record) -> Outcome {
+    async fn recover_one(&self, id: RecordId, listed: Record) -> Outcome {
         let cfg = &*self.config;
         let store = &*cfg.store;
-        let Some(point) = record.recovery_point.clone() else {
+        // The listing only picks what to try: it may be a whole sweep old.
+        let Some(listed_point) = listed.recovery_point.as_ref() else {
             return Outcome::Taken;
         };
-        if !matches!(record.state, RecordState::InProgress { .. }) {
+        if !matches!(listed.state, RecordState::InProgress { .. }) {
             return Outcome::Taken;
         }
-        if record.generation >= self.max_attempts {
-            let first_time = {
-                let mut reported = self.reported.lock().unwrap_or_else(|e| e.into_inner());
-                // Bounded: past this many, start over (each is logged once more).
-                if reported.len() >= MAX_LEFT && !reported.contains(&id) {
-                    reported.clear();
-                }
-                reported.insert(id)
-            };
-            if first_time {
-                tracing::error!(record = %id, generation = record.generation, step = point.step(), max_attempts = self.max_attempts, "a record with a recovery point reached the most attempts the recovery worker makes; it is left for an operator");
-            }
+        // Generations only grow: a record listed at the cap is past it under any claim now.
+        if listed.generation >= self.max_attempts {
+            self.leave(id, listed.generation + 1, listed_point.step());
             return Outcome::Left;
         }
-        let scope_id = ScopeId::new(point.scope());
+        let scope_id = listed_point.scope_id();
         let timing = &cfg.timing;
-        let request = ClaimRequest::new(&id, &record.fingerprint, timing.lease(), timing.ttl())
+        let request = ClaimRequest::new(&id, &listed.fingerprint, timing.lease(), timing.ttl())
             .in_scope(&scope_id);
         let sent = Instant::now();
         let claim = match tokio::time::timeout(timing.store_timeout(), store.claim(&request)).await
@@ -245,64 +275,130 @@ where
             // A retry, another worker, or a completion got there first.
             Ok(Ok(_)) => return Outcome::Taken,
             Ok(Err(e)) => {
-                tracing::warn!(record = %id, error = %crate::service::Chain(&e), "the recovery worker could not take over a record; it tries again at the next sweep");
+                tracing::warn!(record = %short(&id), error = %crate::service::Chain(&e), "the recovery worker could not take over a record; it tries again at the next sweep");
                 return Outcome::Failed;
             }
             Err(_) => {
                 // The claim may have taken effect: its lease lapses, and the next sweep
                 // takes over again.
-                tracing::warn!(record = %id, "the recovery worker's takeover timed out; it tries again at the next sweep");
+                tracing::warn!(record = %short(&id), "the recovery worker's takeover timed out; it tries again at the next sweep");
                 return Outcome::Failed;
             }
         };
+        // From here on, only what this claim returned decides.
         let token = claim.token;
-        if claim.takeover {
-            if let Some(hook) = &cfg.on_abandoned {
-                let abandoned = crate::Abandoned {
-                    scope: point.scope().map(Arc::from),
-                    record: id,
-                    old_generation: token.generation().saturating_sub(1),
-                    new_generation: token.generation(),
-                    abandoned_for: claim.lapsed_for,
-                };
-                if std::panic::catch_unwind(AssertUnwindSafe(|| hook(&abandoned))).is_err() {
-                    tracing::error!("the abandoned-key hook panicked; the recovery runs");
-                }
+        if !claim.takeover {
+            // The record was gone (released by an operator, or expired) since the listing:
+            // the worker never recreates a key. The client's next request runs afresh.
+            tracing::info!(record = %short(&id), "the record the recovery worker listed is gone; its claim is given back");
+            self.give_back(&id, &token, false).await;
+            return Outcome::GivenBack;
+        }
+        if token.generation() > self.max_attempts {
+            // An attempt since the listing (a retry that died) used up the cap.
+            self.give_back(&id, &token, true).await;
+            self.leave(id, token.generation(), listed_point.step());
+            return Outcome::Left;
+        }
+        let Some(point) = claim.recovery_point else {
+            // Released since the listing, which dropped its point (a handler that undid its
+            // work and answered 5xx, say): nothing to resume from, and the client's retry
+            // starts over.
+            tracing::info!(record = %short(&id), generation = token.generation(), "the record the recovery worker listed holds no recovery point now; its claim is given back");
+            self.give_back(&id, &token, true).await;
+            return Outcome::GivenBack;
+        };
+        if let Some(hook) = &cfg.on_abandoned {
+            let abandoned = crate::Abandoned {
+                scope: None,
+                record: id,
+                old_generation: token.generation().saturating_sub(1),
+                new_generation: token.generation(),
+                abandoned_for: claim.lapsed_for,
+            };
+            if std::panic::catch_unwind(AssertUnwindSafe(|| hook(&abandoned))).is_err() {
+                tracing::error!("the abandoned-key hook panicked; the recovery runs");
             }
         }
-        let resume = claim.recovery_point.unwrap_or(point);
-        let step = resume.step().to_owned();
+        let step = point.step().to_owned();
         let ctx = IdempotencyContext::new(
             None,
-            resume.scope().map(Arc::from),
+            None,
+            point.scope_id(),
             id,
-            record.fingerprint,
+            listed.fingerprint,
             token,
             self.config.clone(),
             None,
-            Some(resume),
+            Some(point),
         );
-        let work = AssertUnwindSafe((self.recover)(ctx)).catch_unwind();
+        let limit = cfg.max_response_body;
+        let work = AssertUnwindSafe(async move {
+            let (parts, body) = (self.recover)(ctx).await?.into_parts();
+            let read = body::sealed::Sealed::read(body, limit).await?;
+            Ok::<_, BoxError>((parts, read))
+        })
+        .catch_unwind();
         let result = tokio::select! {
             biased;
             r = work => r,
             () = renew(cfg, &id, &token, sent) => {
-                tracing::warn!(record = %id, "the recovery worker lost its claim while recovering; the work stops, and the record's new holder goes on");
+                tracing::warn!(record = %short(&id), "the recovery worker lost its claim while recovering; the work stops, and the record's new holder goes on");
                 return Outcome::Failed;
             }
         };
-        let response = match result {
-            Ok(Ok(response)) => response,
+        let answer = match result {
+            Ok(Ok(answer)) => answer,
             Ok(Err(e)) => {
-                tracing::warn!(record = %id, step, generation = token.generation(), error = %e, "a recovery failed; the claim lapses and the record is tried again");
+                tracing::warn!(record = %short(&id), step, generation = token.generation(), error = %e, "a recovery failed; the claim lapses and the record is tried again");
                 return Outcome::Failed;
             }
             Err(_) => {
-                tracing::error!(record = %id, step, generation = token.generation(), "the recover function panicked; the claim lapses and the record is tried again");
+                tracing::error!(record = %short(&id), step, generation = token.generation(), "the recover function panicked; the claim lapses and the record is tried again");
                 return Outcome::Failed;
             }
         };
-        self.settle(id, token, step, response).await
+        self.settle(id, token, step, answer).await
+    }
+
+    /// Logs, once per worker, a record left for an operator.
+    fn leave(&self, id: RecordId, generation: u64, step: &str) {
+        let first_time = {
+            let mut reported = self.reported.lock().unwrap_or_else(|e| e.into_inner());
+            // Bounded: past this many, start over (each is logged once more).
+            if reported.len() >= MAX_LEFT && !reported.contains(&id) {
+                reported.clear();
+            }
+            reported.insert(id)
+        };
+        if first_time {
+            tracing::error!(record = %short(&id), generation, step, max_attempts = self.max_attempts, "a record with a recovery point reached the most attempts the recovery worker makes; it is left for an operator");
+        }
+    }
+
+    /// Hands back a claim the worker will not run under, leaving the record as it found it:
+    /// a first claim is released (the key is absent again); a takeover's lease is ended now,
+    /// which keeps the record's point and history (a release would drop the point). If the
+    /// call fails, the claim's lease lapses by itself.
+    async fn give_back(&self, id: &RecordId, token: &Token, takeover: bool) {
+        let cfg = &*self.config;
+        let call = async {
+            if takeover {
+                cfg.store.extend(id, token, Duration::ZERO).await
+            } else {
+                cfg.store.release(id, token).await
+            }
+        };
+        match tokio::time::timeout(cfg.timing.store_timeout(), call).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) if e.is_fenced() => {}
+            Ok(Err(e)) => {
+                tracing::warn!(record = %short(id), error = %crate::service::Chain(&e), "the recovery worker could not give back a claim it does not run under; its lease lapses by itself");
+            }
+            Err(_) => {
+                tracing::warn!(record = %short(id), "giving back a claim timed out; its lease lapses by itself");
+            }
+        }
     }
 
     async fn settle(
@@ -310,42 +406,60 @@ where
         id: RecordId,
         token: Token,
         step: String,
-        response: Response<Bytes>,
+        (parts, read): (
+            http::response::Parts,
+            Option<(bytes::Bytes, Option<http::HeaderMap>)>,
+        ),
     ) -> Outcome {
         let cfg = &*self.config;
         let store = &*cfg.store;
-        let info = ResponseInfo::new(response.status(), response.headers(), None);
+        let trailers = read.as_ref().and_then(|(_, t)| t.as_ref());
+        let info = ResponseInfo::new(parts.status, &parts.headers, trailers);
         let decision = decide(
             &*cfg.policy,
-            response.extensions().get::<RecordDecision>().copied(),
+            parts.extensions.get::<RecordDecision>().copied(),
             &info,
         );
-        match decision {
-            RecordDecision::AlreadyRecorded => {
-                let done = matches!(
-                    store.get(&id).await,
-                    Ok(Some(r)) if matches!(r.state, RecordState::Completed(_)) && r.holder == Some(token)
-                );
-                if done {
-                    tracing::info!(record = %id, step, generation = token.generation(), "recovered a record from its recovery point (recorded by the recover function)");
-                    return Outcome::Recovered;
-                }
-                tracing::error!(record = %id, "the recover function marked its answer AlreadyRecorded, but the record was not completed by its claim");
-                return Outcome::Failed;
-            }
-            RecordDecision::Release => {
-                tracing::warn!(record = %id, status = response.status().as_u16(), "the recover function answered what the record policy releases; the claim lapses and the record is tried again");
-                return Outcome::Failed;
-            }
-            RecordDecision::Record => {}
-        }
-        if cfg.vary_match && crate::recording::names_vary(response.headers()) {
-            tracing::error!(record = %id, "the recover function's answer varies on request headers, which the worker does not have; it is not recorded, and the client's retry resumes");
+        if decision == RecordDecision::Release {
+            tracing::warn!(record = %short(&id), status = parts.status.as_u16(), "the recover function answered what the record policy releases; the claim lapses and the record is tried again");
             return Outcome::Failed;
         }
-        let (parts, body) = response.into_parts();
-        let completion =
-            crate::recording::completion(cfg, None, parts.status, &parts.headers, body, None);
+        // One function builds every recorded answer, with its guards; it refuses an answer
+        // that varies on request headers here, where no request exists. Checked for an answer
+        // the function recorded itself too: it must not have stored one either.
+        let completion = match read {
+            Some((body, trailers)) => crate::recording::completion(
+                cfg,
+                None,
+                parts.status,
+                &parts.headers,
+                body,
+                trailers.as_ref(),
+            ),
+            None => Ok(Completion::Tombstone {
+                status: parts.status,
+            }),
+        };
+        let completion = match completion {
+            Ok(completion) => completion,
+            Err(e) => {
+                let recorded = decision == RecordDecision::AlreadyRecorded;
+                tracing::error!(record = %short(&id), recorded_by_the_function = recorded, error = %crate::service::Chain(&e), "the recover function's answer varies on request headers, which the worker does not have; it is not recorded, and the client's retry resumes");
+                return Outcome::Failed;
+            }
+        };
+        if decision == RecordDecision::AlreadyRecorded {
+            let done = matches!(
+                tokio::time::timeout(cfg.timing.store_timeout(), store.get(&id)).await,
+                Ok(Ok(Some(r))) if matches!(r.state, RecordState::Completed(_)) && r.holder == Some(token)
+            );
+            if done {
+                tracing::info!(record = %short(&id), step, generation = token.generation(), "recovered a record from its recovery point (recorded by the recover function)");
+                return Outcome::Recovered;
+            }
+            tracing::error!(record = %short(&id), "the recover function marked its answer AlreadyRecorded, but the record was not completed by its claim");
+            return Outcome::Failed;
+        }
         let ttl = cfg.timing.ttl();
         // Resent once: `complete` is idempotent per token (guarantee 9).
         for _ in 0..2 {
@@ -356,19 +470,24 @@ where
             .await
             {
                 Ok(Ok(())) => {
-                    tracing::info!(record = %id, step, generation = token.generation(), status = parts.status.as_u16(), "recovered a record from its recovery point");
+                    tracing::info!(record = %short(&id), step, generation = token.generation(), status = parts.status.as_u16(), "recovered a record from its recovery point");
                     return Outcome::Recovered;
                 }
                 Ok(Err(e)) if e.is_fenced() => {
-                    tracing::warn!(record = %id, "the recovery's answer was fenced: another attempt holds the record");
+                    tracing::warn!(record = %short(&id), "the recovery's answer was fenced: another attempt holds the record");
                     return Outcome::Failed;
                 }
                 Ok(Err(_)) | Err(_) => {}
             }
         }
-        tracing::warn!(record = %id, "the recovery's answer could not be recorded; the claim lapses and the record is tried again");
+        tracing::warn!(record = %short(&id), "the recovery's answer could not be recorded; the claim lapses and the record is tried again");
         Outcome::Failed
     }
+}
+
+/// The first 16 hex digits of a record id, as every log line of the crate prints it.
+fn short(id: &RecordId) -> String {
+    id.to_hex()[..16].to_owned()
 }
 
 /// Renews the worker's claim every lease / 3 (the layer's schedule) and returns when the
@@ -403,6 +522,7 @@ enum Outcome {
     Failed,
     Left,
     Taken,
+    GivenBack,
 }
 
 impl Outcome {
@@ -412,6 +532,7 @@ impl Outcome {
             Self::Failed => "failed",
             Self::Left => "left",
             Self::Taken => "taken",
+            Self::GivenBack => "given_back",
         }
     }
 }
@@ -428,9 +549,14 @@ pub struct RecoveryReport {
     pub left: usize,
     /// Records someone else took first (a retry, another worker) or that completed.
     pub taken: usize,
+    /// Claims given back without running: the record had gone since the listing (the
+    /// worker never recreates a key), or held no recovery point any more (a release
+    /// dropped it).
+    pub given_back: usize,
 }
 
-/// Stops the task [`RecoveryWorker::spawn`] started.
+/// Stops the task [`RecoveryWorker::spawn`] started. Dropping it does not: the worker runs
+/// on, as a task whose `JoinHandle` was dropped does.
 #[derive(Debug)]
 pub struct RecoveryHandle {
     stop: Option<tokio::sync::oneshot::Sender<()>>,

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use bytes::{Buf, BufMut, Bytes};
 
-use crate::record::DecodeError;
+use crate::record::{DecodeError, ScopeId};
 use crate::store::{StoreError, StoreErrorKind};
 
 /// Where an attempt got to: a step name and a few bytes of its own (a payment id, say),
@@ -25,17 +25,21 @@ pub struct RecoveryPoint(Arc<Point>);
 struct Point {
     step: String,
     data: Bytes,
-    /// The scope of the request that saved it, so the recovery worker can name it: stores
-    /// only know scopes by their hash.
-    scope: Option<String>,
+    /// The id (a hash) of the scope of the request that saved it, so the recovery worker
+    /// counts its claim against that scope's quota. Never the scope itself: nothing a
+    /// client sent is stored in the clear.
+    scope: ScopeId,
     /// The generation of the claim that saved it.
     generation: u64,
 }
 
-/// Encoding version of a stored recovery point.
-const VERSION: u8 = 1;
+/// Encoding version of a stored recovery point: 2 keeps the scope's id. Version 1 kept the
+/// scope in the clear; such a point is still read (its scope hashed as it is read), and is
+/// gone once its record completes, is released or expires.
+const VERSION: u8 = 2;
+const VERSION_1: u8 = 1;
 
-/// The longest scope kept with a point: a scope longer than this is refused at save.
+/// The longest scope a version-1 point kept.
 const MAX_SCOPE: usize = 1024;
 
 impl RecoveryPoint {
@@ -44,15 +48,15 @@ impl RecoveryPoint {
     /// The most data a recovery point carries, in bytes.
     pub const MAX_DATA: usize = 4096;
     /// The most bytes a store keeps for one recovery point, in [`encode`](Self::encode)'s
-    /// form (step, data, scope and framing together).
-    pub const MAX_ENCODED: usize = 1 + 8 + 2 + MAX_SCOPE + 1 + Self::MAX_STEP + 2 + Self::MAX_DATA;
+    /// form (step, data, the scope's id and framing together).
+    pub const MAX_ENCODED: usize = 1 + 8 + 32 + 1 + Self::MAX_STEP + 2 + Self::MAX_DATA;
 
-    /// A point at `step` with `data`, checked against the caps. `scope` and `generation` are
-    /// the saving claim's.
+    /// A point at `step` with `data`, checked against the caps. `scope` (its id) and
+    /// `generation` are the saving claim's.
     pub(crate) fn new(
         step: &str,
         data: Bytes,
-        scope: Option<&str>,
+        scope: ScopeId,
         generation: u64,
     ) -> Result<Self, StoreError> {
         let over = |what: &str, len: usize, cap: usize| {
@@ -73,13 +77,10 @@ impl RecoveryPoint {
         if data.len() > Self::MAX_DATA {
             return Err(over("data", data.len(), Self::MAX_DATA));
         }
-        if let Some(s) = scope.filter(|s| s.len() > MAX_SCOPE) {
-            return Err(over("scope", s.len(), MAX_SCOPE));
-        }
         Ok(Self(Arc::new(Point {
             step: step.to_owned(),
             data,
-            scope: scope.map(str::to_owned),
+            scope,
             generation,
         })))
     }
@@ -94,9 +95,9 @@ impl RecoveryPoint {
         &self.0.data
     }
 
-    /// The scope of the request (`None`: unscoped).
-    pub fn scope(&self) -> Option<&str> {
-        self.0.scope.as_deref()
+    /// The id of the request's scope (a hash: the scope itself is never stored).
+    pub fn scope_id(&self) -> ScopeId {
+        self.0.scope
     }
 
     /// The generation of the claim that saved it.
@@ -107,19 +108,10 @@ impl RecoveryPoint {
     /// The stored form: what a store keeps, at most [`MAX_ENCODED`](Self::MAX_ENCODED) bytes.
     pub fn encode(&self) -> Vec<u8> {
         let p = &*self.0;
-        let scope = p.scope.as_deref().map(str::as_bytes);
-        let mut out =
-            Vec::with_capacity(14 + scope.map_or(0, <[u8]>::len) + p.step.len() + p.data.len());
+        let mut out = Vec::with_capacity(44 + p.step.len() + p.data.len());
         out.put_u8(VERSION);
         out.put_u64(p.generation);
-        // 0xFFFF: unscoped (a scope is at most MAX_SCOPE bytes).
-        match scope {
-            None => out.put_u16(u16::MAX),
-            Some(s) => {
-                out.put_u16(s.len() as u16);
-                out.put_slice(s);
-            }
-        }
+        out.put_slice(p.scope.as_bytes());
         out.put_u8(p.step.len() as u8);
         out.put_slice(p.step.as_bytes());
         out.put_u16(p.data.len() as u16);
@@ -131,20 +123,26 @@ impl RecoveryPoint {
     pub fn decode(bytes: Bytes) -> Result<Self, DecodeError> {
         let mut b = bytes;
         let short = DecodeError::new("recovery point is truncated");
-        if b.remaining() < 11 {
+        if b.remaining() < 9 {
             return Err(short);
         }
-        if b.get_u8() != VERSION {
-            return Err(DecodeError::new("recovery point has an unknown version"));
-        }
+        let version = b.get_u8();
         let generation = b.get_u64();
-        let scope = match b.get_u16() {
-            u16::MAX => None,
-            n if (n as usize) <= MAX_SCOPE && b.remaining() >= n as usize => {
-                let s = b.split_to(n as usize);
-                Some(utf8(&s)?)
+        let scope = match version {
+            VERSION if b.remaining() >= 32 => {
+                let mut id = [0u8; 32];
+                b.copy_to_slice(&mut id);
+                ScopeId::from_bytes(id)
             }
-            _ => return Err(short),
+            VERSION_1 if b.remaining() >= 2 => match b.get_u16() {
+                u16::MAX => ScopeId::new(None),
+                n if (n as usize) <= MAX_SCOPE && b.remaining() >= n as usize => {
+                    ScopeId::new(Some(&utf8(&b.split_to(n as usize))?))
+                }
+                _ => return Err(short),
+            },
+            VERSION | VERSION_1 => return Err(short),
+            _ => return Err(DecodeError::new("recovery point has an unknown version")),
         };
         if b.remaining() < 1 {
             return Err(short);
@@ -191,23 +189,25 @@ mod tests {
     #[test]
     fn points_round_trip_and_the_caps_are_named() {
         for scope in [None, Some("tenant-1"), Some("")] {
-            let p = RecoveryPoint::new("charged", Bytes::from_static(b"pay_1"), scope, 3).unwrap();
+            let id = ScopeId::new(scope);
+            let p = RecoveryPoint::new("charged", Bytes::from_static(b"pay_1"), id, 3).unwrap();
             let back = RecoveryPoint::decode(Bytes::from(p.encode())).unwrap();
             assert_eq!(back, p);
             assert_eq!(
-                (back.step(), back.scope(), back.generation()),
-                ("charged", scope, 3)
+                (back.step(), back.scope_id(), back.generation()),
+                ("charged", id, 3)
             );
         }
         let max = RecoveryPoint::new(
             &"s".repeat(64),
             Bytes::from(vec![7; 4096]),
-            Some(&"t".repeat(1024)),
+            ScopeId::new(Some(&"t".repeat(4096))),
             u64::MAX,
         )
         .unwrap();
         assert_eq!(max.encode().len(), RecoveryPoint::MAX_ENCODED);
-        let e = RecoveryPoint::new("s", Bytes::from(vec![0; 4097]), None, 1).unwrap_err();
+        let any = ScopeId::new(None);
+        let e = RecoveryPoint::new("s", Bytes::from(vec![0; 4097]), any, 1).unwrap_err();
         assert_eq!(e.kind(), StoreErrorKind::TooLarge);
         assert!(
             std::error::Error::source(&e)
@@ -216,17 +216,56 @@ mod tests {
                 .contains("4096"),
             "{e:?}"
         );
-        let e = RecoveryPoint::new(&"s".repeat(65), Bytes::new(), None, 1).unwrap_err();
+        let e = RecoveryPoint::new(&"s".repeat(65), Bytes::new(), any, 1).unwrap_err();
         assert!(std::error::Error::source(&e)
             .unwrap()
             .to_string()
             .contains("64"));
-        assert!(RecoveryPoint::new("", Bytes::new(), None, 1).is_err());
+        assert!(RecoveryPoint::new("", Bytes::new(), any, 1).is_err());
+    }
+
+    #[test]
+    fn a_point_keeps_no_scope_in_the_clear() {
+        let scope = "alice@example.com";
+        let p = RecoveryPoint::new(
+            "reserved",
+            Bytes::from_static(b"pay_1"),
+            ScopeId::new(Some(scope)),
+            2,
+        );
+        let bytes = p.unwrap().encode();
+        assert!(!bytes.windows(scope.len()).any(|w| w == scope.as_bytes()));
+    }
+
+    /// A point saved before version 2 kept its scope in the clear: it is still read, as the
+    /// scope's id.
+    #[test]
+    fn a_version_1_point_is_read_with_its_scope_hashed() {
+        let mut v1 = vec![1u8];
+        v1.extend_from_slice(&5u64.to_be_bytes());
+        v1.extend_from_slice(&4u16.to_be_bytes());
+        v1.extend_from_slice(b"acme");
+        v1.push(7);
+        v1.extend_from_slice(b"charged");
+        v1.extend_from_slice(&5u16.to_be_bytes());
+        v1.extend_from_slice(b"pay_1");
+        let p = RecoveryPoint::decode(Bytes::from(v1)).unwrap();
+        assert_eq!(
+            (p.step(), &p.data()[..], p.generation(), p.scope_id()),
+            ("charged", &b"pay_1"[..], 5, ScopeId::new(Some("acme")))
+        );
+        let mut unscoped = vec![1u8];
+        unscoped.extend_from_slice(&1u64.to_be_bytes());
+        unscoped.extend_from_slice(&u16::MAX.to_be_bytes());
+        unscoped.extend_from_slice(&[1, b's', 0, 0]);
+        let p = RecoveryPoint::decode(Bytes::from(unscoped)).unwrap();
+        assert_eq!(p.scope_id(), ScopeId::new(None));
     }
 
     #[test]
     fn damaged_points_are_errors_not_panics() {
-        let p = RecoveryPoint::new("step", Bytes::from_static(b"data"), Some("t"), 2).unwrap();
+        let id = ScopeId::new(Some("t"));
+        let p = RecoveryPoint::new("step", Bytes::from_static(b"data"), id, 2).unwrap();
         let bytes = p.encode();
         for cut in 0..bytes.len() {
             assert!(RecoveryPoint::decode(Bytes::copy_from_slice(&bytes[..cut])).is_err());

@@ -670,6 +670,7 @@ impl Keyed {
         let ctx = IdempotencyContext::new(
             Some(self.key.clone()),
             self.scope.clone(),
+            self.scope_id,
             self.id,
             self.fp,
             token,

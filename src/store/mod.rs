@@ -379,6 +379,10 @@ pub enum StoreErrorKind {
     TooLarge,
     /// The store does not implement the operation (a custom store written before it).
     Unsupported,
+    /// The answer's `Vary` names request headers, and it is recorded where no request
+    /// exists (the [recovery worker](crate::RecoveryWorker)'s context): it would be stored
+    /// without the Vary guard that keeps one caller's answer from another. Nothing was written.
+    Unguarded,
     /// Anything else, see the source.
     Other,
 }
@@ -437,6 +441,7 @@ impl fmt::Display for StoreError {
             StoreErrorKind::QuotaExceeded => "idempotency scope is over its quota",
             StoreErrorKind::TooLarge => "idempotency store refused a value over its cap",
             StoreErrorKind::Unsupported => "idempotency store does not support this operation",
+            StoreErrorKind::Unguarded => "idempotency answer varies on request headers that are not known here, so it cannot carry its Vary guard; nothing was recorded",
             StoreErrorKind::Other => "idempotency store error",
         };
         f.write_str(what)

@@ -260,7 +260,7 @@ fn self_recording(
                 &*store,
                 &ctx.record_id(),
                 &ctx.token(),
-                &ctx.completion(&res),
+                &ctx.completion(&res).unwrap(),
                 ctx.ttl(),
             )
             .await

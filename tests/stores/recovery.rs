@@ -25,7 +25,10 @@ use http_body_util::Full;
 use support::{body_bytes, post};
 use tokio::sync::Notify;
 use tower::{service_fn, Layer, ServiceExt};
-use tower_idempotency::store::{IdempotencyStore, RecordId, RecordState};
+use tower_idempotency::store::{
+    async_trait, AdminStore, ClaimOutcome, ClaimRequest, Completion, IdempotencyAdmin,
+    IdempotencyStore, Record, RecordId, RecordState, RecoveryPoint, Removal, StoreError, Token,
+};
 use tower_idempotency::{
     BoxError, IdempotencyContext, IdempotencyLayer, RecoveryWorker, RequestBody, ResponseBody,
     Timing,
@@ -64,6 +67,8 @@ struct Payments {
     charging_gate: Notify,
     /// Attempts stopped by a refused save.
     fenced: AtomicUsize,
+    /// The next attempt declines at once (it undid its work, say) and answers 500.
+    decline: std::sync::atomic::AtomicBool,
 }
 
 impl Payments {
@@ -89,6 +94,9 @@ impl Payments {
 /// id) and save "charged"; send the receipt and answer. A resumed attempt skips what its
 /// point says is done and reuses the payment id.
 async fn phases(p: Arc<Payments>, ctx: IdempotencyContext) -> Result<Response<Bytes>, BoxError> {
+    if p.decline.swap(false, Ordering::SeqCst) {
+        return Err("the payment was cancelled".into());
+    }
     let stall = p.stall.lock().unwrap().take();
     let resumed = ctx.recovery_point().map(|pt| {
         (
@@ -238,7 +246,7 @@ fn record_id(key: &str) -> RecordId {
 
 // ---- the scenarios, each on a fresh store ------------------------------------------------
 
-async fn a_retry_resumes_after_the_holder_died(store: Arc<dyn IdempotencyStore>) {
+async fn a_retry_resumes_after_the_holder_died(store: Arc<dyn AdminStore>) {
     let p = Arc::new(Payments::default());
     let svc = service(&layer(store.clone()), &p);
     let (early, late) = (unique("died-created"), unique("died-charging"));
@@ -286,7 +294,7 @@ async fn a_retry_resumes_after_the_holder_died(store: Arc<dyn IdempotencyStore>)
     assert_eq!(record.recovery_point, None);
 }
 
-async fn the_worker_finishes_an_abandoned_key_without_a_retry(store: Arc<dyn IdempotencyStore>) {
+async fn the_worker_finishes_an_abandoned_key_without_a_retry(store: Arc<dyn AdminStore>) {
     let p = Arc::new(Payments::default());
     let heard = Arc::new(Mutex::new(Vec::new()));
     let layer = layer(store.clone()).with_abandoned_hook({
@@ -316,11 +324,9 @@ async fn the_worker_finishes_an_abandoned_key_without_a_retry(store: Arc<dyn Ide
     let report = worker.run_once().await.unwrap();
     assert_eq!(report.recovered, 1, "{report:?}");
     assert_eq!((report.failed, report.left), (0, 0), "{report:?}");
-    // The worker's takeover is reported as a retry's would be, with the request's scope.
-    assert_eq!(
-        *heard.lock().unwrap(),
-        vec![(Some("acme".to_owned()), 1, 2)]
-    );
+    // The worker's takeover is reported as a retry's would be, without the scope: stores
+    // keep only its hash, recovery points included.
+    assert_eq!(*heard.lock().unwrap(), vec![(None, 1, 2)]);
     // Quiet once done.
     let report = worker.run_once().await.unwrap();
     assert_eq!(
@@ -352,9 +358,7 @@ async fn the_worker_finishes_an_abandoned_key_without_a_retry(store: Arc<dyn Ide
     assert_eq!(Payments::count(&p.receipts, "pay_1"), 1);
 }
 
-async fn a_stale_holder_is_refused_and_its_later_steps_do_not_run(
-    store: Arc<dyn IdempotencyStore>,
-) {
+async fn a_stale_holder_is_refused_and_its_later_steps_do_not_run(store: Arc<dyn AdminStore>) {
     let p = Arc::new(Payments::default());
     let svc = service(&layer(store.clone()), &p);
     let key = unique("stale");
@@ -413,7 +417,7 @@ async fn a_stale_holder_is_refused_and_its_later_steps_do_not_run(
     assert_eq!(again, body);
 }
 
-async fn a_recovery_that_always_fails_stops_after_its_attempts(store: Arc<dyn IdempotencyStore>) {
+async fn a_recovery_that_always_fails_stops_after_its_attempts(store: Arc<dyn AdminStore>) {
     let p = Arc::new(Payments::default());
     let layer = layer(store.clone());
     let svc = service(&layer, &p);
@@ -455,7 +459,7 @@ async fn a_recovery_that_always_fails_stops_after_its_attempts(store: Arc<dyn Id
     );
 }
 
-async fn two_workers_never_recover_one_record_twice(store: Arc<dyn IdempotencyStore>) {
+async fn two_workers_never_recover_one_record_twice(store: Arc<dyn AdminStore>) {
     const KEYS: usize = 8;
     let p = Arc::new(Payments::default());
     let layer = layer(store.clone());
@@ -498,6 +502,293 @@ async fn two_workers_never_recover_one_record_twice(store: Arc<dyn IdempotencySt
     }
 }
 
+// ---- a listing that aged: what happens between the worker's listing and its claim -------
+
+/// The real store, except that its next `recoverable` answers the listing taken at
+/// [`list_now`](Self::list_now): a listing as old as what happened since, as it is once a
+/// sweep spent its time recovering other records.
+struct AgedListing {
+    inner: Arc<dyn AdminStore>,
+    listed: Mutex<Option<Vec<(RecordId, Record)>>>,
+}
+
+impl AgedListing {
+    fn new(inner: Arc<dyn AdminStore>) -> Arc<Self> {
+        Arc::new(Self {
+            inner,
+            listed: Mutex::new(None),
+        })
+    }
+
+    async fn list_now(&self) {
+        let listed = self.inner.recoverable(100).await.unwrap();
+        assert_eq!(listed.len(), 1, "one record to recover: {listed:?}");
+        *self.listed.lock().unwrap() = Some(listed);
+    }
+}
+
+#[async_trait]
+impl IdempotencyStore for AgedListing {
+    async fn claim(&self, request: &ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
+        self.inner.claim(request).await
+    }
+    async fn extend(
+        &self,
+        id: &RecordId,
+        token: &Token,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
+        self.inner.extend(id, token, lease).await
+    }
+    async fn complete(
+        &self,
+        id: &RecordId,
+        token: &Token,
+        completion: &Completion,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        self.inner.complete(id, token, completion, ttl).await
+    }
+    async fn release(&self, id: &RecordId, token: &Token) -> Result<(), StoreError> {
+        self.inner.release(id, token).await
+    }
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        self.inner.get(id).await
+    }
+    async fn save_recovery_point(
+        &self,
+        id: &RecordId,
+        token: &Token,
+        point: &RecoveryPoint,
+    ) -> Result<(), StoreError> {
+        self.inner.save_recovery_point(id, token, point).await
+    }
+    async fn recoverable(&self, limit: usize) -> Result<Vec<(RecordId, Record)>, StoreError> {
+        let aged = self.listed.lock().unwrap().take();
+        match aged {
+            Some(listed) => Ok(listed),
+            None => self.inner.recoverable(limit).await,
+        }
+    }
+}
+
+/// A worker running `phases` that counts its runs.
+fn counting_worker(
+    layer: &IdempotencyLayer,
+    p: &Arc<Payments>,
+    runs: &Arc<AtomicUsize>,
+) -> RecoveryWorker<impl Fn(IdempotencyContext) -> Recovering + Send + Sync + 'static> {
+    let (p, runs) = (p.clone(), runs.clone());
+    RecoveryWorker::new(layer, move |ctx| -> Recovering {
+        runs.fetch_add(1, Ordering::SeqCst);
+        Box::pin(phases(p.clone(), ctx))
+    })
+}
+
+/// A retry takes the listed record over and declines (it undid the payment and answered
+/// 500), which releases it and drops its point. The worker's claim then hands over no point:
+/// it gives the claim back, never resuming the cancelled payment from the listed point.
+async fn the_worker_never_resumes_from_a_point_a_release_dropped(store: Arc<dyn AdminStore>) {
+    let aged = AgedListing::new(store.clone());
+    let p = Arc::new(Payments::default());
+    let layer = layer(aged.clone());
+    let svc = service(&layer, &p);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let worker = counting_worker(&layer, &p, &runs);
+    let key = unique("released-since");
+    die_at(&svc, &p, &key, Stall::Created).await;
+    tokio::time::sleep(LAPSE).await;
+
+    aged.list_now().await;
+    p.decline.store(true, Ordering::SeqCst);
+    let res = svc.clone().oneshot(pay(&key)).await.unwrap();
+    assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    let report = worker.run_once().await.unwrap();
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        0,
+        "resumed from a dropped point: {report:?}"
+    );
+    assert_eq!((report.recovered, report.given_back), (0, 1), "{report:?}");
+    let record = store.get(&record_id(&key)).await.unwrap().unwrap();
+    assert_eq!(record.recovery_point, None);
+    // The client's retry starts over: a new payment, not the cancelled one.
+    let (status, replayed, body) = answer(&svc, &key).await;
+    assert_eq!((status, replayed), (StatusCode::CREATED, false), "{body}");
+    assert_eq!(
+        (body["id"].as_str(), body["resumed_from"].as_str()),
+        (Some("pay_2"), None)
+    );
+    assert_eq!(Payments::count(&p.charge_calls, "charge:pay_1"), 0);
+}
+
+/// With a cap of 2, a retry takes the listed record to generation 2 and dies too. The worker's
+/// claim is generation 3, past the cap: it runs nothing and leaves the record, point and all,
+/// as it was; the client's retry still resumes from the point.
+async fn the_worker_counts_the_cap_on_its_own_claim(store: Arc<dyn AdminStore>) {
+    let aged = AgedListing::new(store.clone());
+    let p = Arc::new(Payments::default());
+    let layer = layer(aged.clone());
+    let svc = service(&layer, &p);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let worker =
+        counting_worker(&layer, &p, &runs).with_max_attempts(std::num::NonZeroU64::new(2).unwrap());
+    let key = unique("cap-since");
+    die_at(&svc, &p, &key, Stall::Created).await;
+    tokio::time::sleep(LAPSE).await;
+
+    aged.list_now().await;
+    die_at(&svc, &p, &key, Stall::Created).await;
+    tokio::time::sleep(LAPSE).await;
+    let report = worker.run_once().await.unwrap();
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        0,
+        "ran past the cap: {report:?}"
+    );
+    assert_eq!((report.recovered, report.left), (0, 1), "{report:?}");
+    let record = store.get(&record_id(&key)).await.unwrap().unwrap();
+    assert!(
+        matches!(record.state, RecordState::InProgress { .. }),
+        "{record:?}"
+    );
+    assert_eq!(record.generation, 3);
+    assert_eq!(
+        record.recovery_point.as_ref().map(|p| p.step()),
+        Some("created"),
+        "the point is kept for the retry and the operator"
+    );
+    // Left: the next sweep does not claim it again.
+    let report = worker.run_once().await.unwrap();
+    assert_eq!((report.left, report.given_back), (1, 0), "{report:?}");
+    assert_eq!(
+        store
+            .get(&record_id(&key))
+            .await
+            .unwrap()
+            .unwrap()
+            .generation,
+        3
+    );
+    // The client's retry resumes from the point.
+    let (status, replayed, body) = answer(&svc, &key).await;
+    assert_eq!((status, replayed), (StatusCode::CREATED, false), "{body}");
+    assert_eq!(
+        (body["id"].as_str(), body["resumed_from"].as_str()),
+        (Some("pay_1"), Some("created"))
+    );
+    assert_eq!(body["generation"], 4);
+}
+
+/// An operator force-releases the listed record. The worker's claim is then a first claim:
+/// it gives it back, so the key stays absent and the client's next request runs afresh
+/// instead of getting an answer the worker made up from the removed record's point.
+async fn the_worker_never_recreates_a_key_an_operator_released(store: Arc<dyn AdminStore>) {
+    let aged = AgedListing::new(store.clone());
+    let p = Arc::new(Payments::default());
+    let layer = layer(aged.clone());
+    let svc = service(&layer, &p);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let worker = counting_worker(&layer, &p, &runs);
+    let key = unique("operator-since");
+    die_at(&svc, &p, &key, Stall::Created).await;
+    tokio::time::sleep(LAPSE).await;
+
+    aged.list_now().await;
+    assert_eq!(
+        store.force_release(&record_id(&key)).await.unwrap(),
+        Removal::Removed
+    );
+    let report = worker.run_once().await.unwrap();
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        0,
+        "recovered a removed record: {report:?}"
+    );
+    assert_eq!((report.recovered, report.given_back), (0, 1), "{report:?}");
+    assert_eq!(
+        store.get(&record_id(&key)).await.unwrap(),
+        None,
+        "the key was recreated"
+    );
+    let (status, replayed, body) = answer(&svc, &key).await;
+    assert_eq!((status, replayed), (StatusCode::CREATED, false), "{body}");
+    assert_eq!(
+        (body["id"].as_str(), body["resumed_from"].as_str()),
+        (Some("pay_2"), None)
+    );
+}
+
+/// The listed record expires before the worker reaches it: as after an operator's release,
+/// the worker's first claim is given back and the key stays absent.
+async fn the_worker_never_recreates_a_key_that_expired(store: Arc<dyn AdminStore>) {
+    const TTL: Duration = Duration::from_secs(4);
+    let aged = AgedListing::new(store.clone());
+    let p = Arc::new(Payments::default());
+    let timing = Timing::new(LEASE, TTL)
+        .unwrap()
+        .with_store_timeout(Duration::from_millis(400))
+        .unwrap();
+    let layer = IdempotencyLayer::new(aged.clone() as Arc<dyn IdempotencyStore>)
+        .with_scope(support::tenant_scope)
+        .with_timing(timing);
+    let svc = service(&layer, &p);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let worker = counting_worker(&layer, &p, &runs);
+    let key = unique("expired-since");
+    let died = tokio::time::Instant::now();
+    die_at(&svc, &p, &key, Stall::Created).await;
+    tokio::time::sleep(LAPSE).await;
+
+    aged.list_now().await;
+    // An in-progress record is kept max(lease, TTL) from its last claim or renewal.
+    tokio::time::sleep_until(died + TTL + Duration::from_millis(600)).await;
+    let report = worker.run_once().await.unwrap();
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        0,
+        "recovered an expired record: {report:?}"
+    );
+    assert_eq!((report.recovered, report.given_back), (0, 1), "{report:?}");
+    assert_eq!(
+        store.get(&record_id(&key)).await.unwrap(),
+        None,
+        "the key was recreated"
+    );
+}
+
+/// Dropping the worker's handle does not stop it: a holder that dies afterwards is still
+/// recovered.
+async fn a_dropped_handle_does_not_stop_the_worker(store: Arc<dyn AdminStore>) {
+    let p = Arc::new(Payments::default());
+    let layer = layer(store.clone());
+    let svc = service(&layer, &p);
+    let runs = Arc::new(AtomicUsize::new(0));
+    drop(
+        counting_worker(&layer, &p, &runs)
+            .with_interval(Duration::from_millis(100))
+            .spawn(),
+    );
+    let key = unique("dropped-handle");
+    die_at(&svc, &p, &key, Stall::Created).await;
+    let id = record_id(&key);
+    let deadline = tokio::time::Instant::now() + LAPSE * 4;
+    loop {
+        let record = store.get(&id).await.unwrap().unwrap();
+        if matches!(record.state, RecordState::Completed(_)) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the worker stopped with its handle: {record:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    let (status, replayed, _) = answer(&svc, &key).await;
+    assert_eq!((status, replayed), (StatusCode::CREATED, true));
+}
+
 macro_rules! scenarios {
     ($store:expr) => {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -529,6 +820,36 @@ macro_rules! scenarios {
             let Some(store) = $store else { return };
             super::two_workers_never_recover_one_record_twice(store).await;
         }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn the_worker_never_resumes_from_a_point_a_release_dropped() {
+            let Some(store) = $store else { return };
+            super::the_worker_never_resumes_from_a_point_a_release_dropped(store).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn the_worker_counts_the_cap_on_its_own_claim() {
+            let Some(store) = $store else { return };
+            super::the_worker_counts_the_cap_on_its_own_claim(store).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn the_worker_never_recreates_a_key_an_operator_released() {
+            let Some(store) = $store else { return };
+            super::the_worker_never_recreates_a_key_an_operator_released(store).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn the_worker_never_recreates_a_key_that_expired() {
+            let Some(store) = $store else { return };
+            super::the_worker_never_recreates_a_key_that_expired(store).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn a_dropped_handle_does_not_stop_the_worker() {
+            let Some(store) = $store else { return };
+            super::a_dropped_handle_does_not_stop_the_worker(store).await;
+        }
     };
 }
 
@@ -536,9 +857,7 @@ mod memory {
     use super::*;
     use tower_idempotency::store::MemoryStore;
 
-    scenarios!(Some(
-        Arc::new(MemoryStore::new()) as Arc<dyn IdempotencyStore>
-    ));
+    scenarios!(Some(Arc::new(MemoryStore::new()) as Arc<dyn AdminStore>));
 }
 
 #[cfg(feature = "redis")]
@@ -547,7 +866,7 @@ mod redis {
     use tower_idempotency::store::redis::RedisStore;
 
     /// A store under a prefix of its own: its own recovery index.
-    async fn store() -> Option<Arc<dyn IdempotencyStore>> {
+    async fn store() -> Option<Arc<dyn AdminStore>> {
         let url = common::backend_url("IDEMPOTENCY_TEST_REDIS_URL")?;
         let store = RedisStore::builder()
             .with_key_prefix(format!("{}:", unique("recovery")))
@@ -567,7 +886,7 @@ mod postgres {
 
     /// A store in a schema of its own: its own table, so its own recoverable records. The
     /// schema is left for the run's cleanup (the test database is throwaway).
-    async fn store() -> Option<Arc<dyn IdempotencyStore>> {
+    async fn store() -> Option<Arc<dyn AdminStore>> {
         let url = pg_support::url()?;
         let schema = pg_support::TestSchema::create(&url, "recovery").await;
         let store = pg_support::store_in(&url, &schema, 4, "tidem-recovery").await;

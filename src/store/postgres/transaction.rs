@@ -94,7 +94,7 @@ impl PostgresStore {
         C: Executor,
         B: BufferedBody,
     {
-        let completion = B::with_bytes(response, |response| ctx.completion(response));
+        let completion = B::with_bytes(response, |response| ctx.completion(response))?;
         self.complete_in(
             client,
             &ctx.record_id(),

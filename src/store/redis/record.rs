@@ -336,8 +336,13 @@ mod tests {
 
     #[test]
     fn a_record_with_a_recovery_point_decodes_in_progress_with_it() {
-        let point =
-            RecoveryPoint::new("charged", Bytes::from_static(b"pay_1"), Some("shop"), 1).unwrap();
+        let point = RecoveryPoint::new(
+            "charged",
+            Bytes::from_static(b"pay_1"),
+            crate::record::ScopeId::new(Some("shop")),
+            1,
+        )
+        .unwrap();
         let mut v = in_progress(10_500);
         v[1] = b'r';
         v.extend_from_slice(&point.encode());
