@@ -25,5 +25,7 @@ mod redis_cluster;
 mod redis_layer;
 #[cfg(all(feature = "conformance", feature = "redis"))]
 mod redis_store;
+#[cfg(any(feature = "redis", feature = "postgres"))]
+mod stored_bytes;
 #[cfg(all(feature = "redis-tls", feature = "postgres-tls"))]
 mod tls;
