@@ -433,3 +433,209 @@ async fn the_workers_answer_is_fenced_once_someone_else_holds_the_record() {
         "the retry's answer, not the worker's"
     );
 }
+
+/// The ERROR events logged while it is the thread's default subscriber: each as its message
+/// followed by its other fields (`name=value`).
+#[derive(Clone, Default)]
+struct Errors(Arc<std::sync::Mutex<Vec<String>>>);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Errors {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        struct Fields(String);
+        impl tracing::field::Visit for Fields {
+            fn record_debug(&mut self, f: &tracing::field::Field, v: &dyn std::fmt::Debug) {
+                if f.name() == "message" {
+                    self.0.insert_str(0, &format!("{v:?}"));
+                } else {
+                    self.0.push_str(&format!(" {}={v:?}", f.name()));
+                }
+            }
+        }
+        if *event.metadata().level() == tracing::Level::ERROR {
+            let mut fields = Fields(String::new());
+            event.record(&mut fields);
+            self.0.lock().unwrap().push(fields.0);
+        }
+    }
+}
+
+impl Errors {
+    /// Captures this thread's ERROR events until the guard drops (a current-thread runtime:
+    /// the worker runs on it).
+    fn capture() -> (Self, tracing::subscriber::DefaultGuard) {
+        use tracing_subscriber::layer::SubscriberExt;
+        let errors = Self::default();
+        let subscriber = tracing_subscriber::registry().with(errors.clone());
+        (errors, tracing::subscriber::set_default(subscriber))
+    }
+
+    fn all(&self) -> Vec<String> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+/// Alice's answer: her statement, which varies on who asks.
+fn alices_statement() -> Response<Bytes> {
+    Response::builder()
+        .status(StatusCode::CREATED)
+        .header("vary", "authorization")
+        .body(Bytes::from_static(b"alice's statement"))
+        .unwrap()
+}
+
+/// `post` as `who` (an `Authorization` header), in the one scope the unscoped layer has.
+fn post_as(key: &str, who: &str) -> Request<Full<Bytes>> {
+    let mut req = post("/pay", Some(key), "{}");
+    req.headers_mut().insert(
+        http::header::AUTHORIZATION,
+        http::HeaderValue::from_str(&format!("Bearer {who}")).unwrap(),
+    );
+    req
+}
+
+/// The outside review's scenario, through the context's own recording: the recover function
+/// asks `ctx.completion` for Alice's answer, is refused (`Unguarded`), and, as a careless
+/// user would, returns the answer marked `AlreadyRecorded` all the same. The worker does not
+/// take that mark on trust: it fails the recovery, nothing is recorded, and Bob's retry in
+/// the same scope resumes the work instead of being handed Alice's statement.
+#[tokio::test]
+async fn a_refused_completion_marked_already_recorded_by_the_recover_function_is_not_recorded() {
+    let store = FaultStore::new(MemoryStore::new());
+    let layer = layer(store.clone());
+    let app = App::default();
+    let refused = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let worker = {
+        let refused = refused.clone();
+        RecoveryWorker::new(&layer, move |ctx: IdempotencyContext| {
+            let mut res = alices_statement();
+            let e = ctx
+                .completion(&res)
+                .expect_err("no request headers here: no Vary guard can be built");
+            refused.lock().unwrap().push(e.kind());
+            // Careless: the error is ignored, and the answer claimed as recorded.
+            res.extensions_mut()
+                .insert(tower_idempotency::RecordDecision::AlreadyRecorded);
+            std::future::ready(Ok::<_, BoxError>(res))
+        })
+    };
+    app.die_after_saving(&layer, "careless").await;
+    tokio::time::sleep(LAPSE).await;
+
+    let (errors, guard) = Errors::capture();
+    let report = worker.run_once().await.unwrap();
+    drop(guard);
+    assert_eq!(got(&report), (0, 1), "failed, not recovered: {report:?}");
+    assert_eq!(*refused.lock().unwrap(), [StoreErrorKind::Unguarded]);
+    let errors = errors.all();
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("varies on request headers")
+                && e.contains("recorded_by_the_function=true")),
+        "{errors:?}"
+    );
+    // Not completed: still in progress under the worker's claim, the point kept.
+    let record = store.inner.get(&id("careless")).await.unwrap().unwrap();
+    assert!(
+        matches!(record.state, RecordState::InProgress { .. }),
+        "{record:?}"
+    );
+    assert_eq!(record.generation, 2);
+    assert_eq!(
+        record.recovery_point.as_ref().map(|p| p.step()),
+        Some("created")
+    );
+
+    // Once the worker's claim lapses, Bob's retry takes over and runs: his own answer, never
+    // Alice's statement.
+    tokio::time::sleep(LAPSE).await;
+    let res = app
+        .service(&layer)
+        .oneshot(post_as("careless", "bob"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::CREATED);
+    assert!(res.headers().get("idempotent-replayed").is_none());
+    assert_eq!(support::body_bytes(res).await, "pay_1");
+    assert_eq!(
+        app.runs.load(Ordering::SeqCst),
+        2,
+        "the dead attempt, then Bob's"
+    );
+    let record = store.inner.get(&id("careless")).await.unwrap().unwrap();
+    assert_eq!(record.generation, 3);
+    assert!(matches!(record.state, RecordState::Completed(_)));
+}
+
+/// The low-level way round the guard: the recover function builds the completion by hand
+/// (`StoredResponse::new`, which builds no guard) and stores it with the store's own
+/// `complete` under its claim, then marks its answer `AlreadyRecorded`. The worker refuses
+/// the answer (it fails the recovery, and logs an ERROR naming it), but the record is
+/// stored by then and the worker cannot undo it: Bob's retry is replayed Alice's statement.
+/// This pins what happens; the store API is the caller's responsibility past this point.
+#[tokio::test]
+async fn an_unguarded_answer_the_recover_function_stored_itself_fails_the_recovery_but_stays_stored(
+) {
+    use tower_idempotency::store::{Completion, StoredResponse};
+    let store = FaultStore::new(MemoryStore::new());
+    let layer = layer(store.clone());
+    let app = App::default();
+    let worker = {
+        let store = store.clone();
+        RecoveryWorker::new(&layer, move |ctx: IdempotencyContext| {
+            let store = store.clone();
+            async move {
+                let mut res = alices_statement();
+                let hand_built = Completion::Response(StoredResponse::new(
+                    res.status(),
+                    res.headers().clone(),
+                    res.body().clone(),
+                    None,
+                ));
+                store
+                    .complete(&ctx.record_id(), &ctx.token(), &hand_built, ctx.ttl())
+                    .await?;
+                res.extensions_mut()
+                    .insert(tower_idempotency::RecordDecision::AlreadyRecorded);
+                Ok::<_, BoxError>(res)
+            }
+        })
+    };
+    app.die_after_saving(&layer, "hand-built").await;
+    tokio::time::sleep(LAPSE).await;
+
+    let (errors, guard) = Errors::capture();
+    let report = worker.run_once().await.unwrap();
+    drop(guard);
+    assert_eq!(got(&report), (0, 1), "failed, not recovered: {report:?}");
+    let errors = errors.all();
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("varies on request headers")
+                && e.contains("recorded_by_the_function=true")),
+        "{errors:?}"
+    );
+    // The store took the function's `complete`: completed by the worker's claim, without a
+    // guard, and the worker leaves it so.
+    let record = store.inner.get(&id("hand-built")).await.unwrap().unwrap();
+    assert_eq!(record.generation, 2);
+    let RecordState::Completed(Completion::Response(stored)) = &record.state else {
+        panic!("completed by the recover function: {record:?}")
+    };
+    assert_eq!(stored.body, "alice's statement");
+    assert_eq!(
+        store.calls(Op::Complete),
+        1,
+        "the worker wrote nothing more"
+    );
+
+    let res = app
+        .service(&layer)
+        .oneshot(post_as("hand-built", "bob"))
+        .await
+        .unwrap();
+    assert_eq!(res.headers()["idempotent-replayed"], "true");
+    assert_eq!(support::body_bytes(res).await, "alice's statement");
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1, "never run again");
+}

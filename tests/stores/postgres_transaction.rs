@@ -751,3 +751,160 @@ async fn an_answer_recorded_in_the_transaction_but_returned_unmarked_stands_and_
     let db = Arc::into_inner(db).expect("every service is dropped");
     db.drop_now().await;
 }
+
+/// Alice's answer: her statement, which varies on who asks.
+fn alices_statement() -> Response<Bytes> {
+    Response::builder()
+        .status(StatusCode::CREATED)
+        .header("vary", "authorization")
+        .body(Bytes::from_static(b"alice's statement"))
+        .unwrap()
+}
+
+/// The outside review's scenario on Postgres: a recover function records Alice's answer
+/// (`Vary: Authorization`) with `record_in` in its own transaction, through each driver, and
+/// marks it `AlreadyRecorded`. The worker's context has no request headers, so `record_in`
+/// refuses it (`Unguarded`) before sending anything: whether the transaction then commits
+/// (its business row with it) or rolls back, the record is still in progress with its point.
+/// The worker reports the recovery failed, whatever the mark says, and Bob's retry in the
+/// same scope resumes the work: he never gets Alice's statement.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recovery_recording_an_answer_that_varies_on_request_headers_in_its_transaction_is_refused(
+) {
+    use std::collections::HashMap;
+    use tower_idempotency::{BoxError, RecoveryWorker};
+
+    let Some(url) = pg_support::url() else { return };
+    let db = Arc::new(Db::new(&url, "txvary").await);
+    let (svc, mut handed) = holding(&db.store);
+    // Per driver, Alice's request saves its point with its order, then its holder dies. Half
+    // the recoveries commit their transaction after the refusal, half roll it back.
+    let mut dead = Vec::new();
+    let mut plan = HashMap::new();
+    for (i, &driver) in DRIVERS.iter().enumerate() {
+        let key = unique(driver.label());
+        let held = hold(&svc, &mut handed, &key).await;
+        let action = Action::save("created", key.clone());
+        db.phase(
+            driver,
+            &held.ctx,
+            &format!("{key}-created"),
+            &action,
+            Commit::IfOk,
+        )
+        .await
+        .unwrap();
+        let commit = if i % 2 == 0 {
+            Commit::Always
+        } else {
+            Commit::Never
+        };
+        plan.insert(held.ctx.record_id(), (driver, key.clone(), commit));
+        dead.push(held);
+    }
+    let plan = Arc::new(plan);
+    let refusals = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let worker = {
+        let (db, plan, refusals) = (db.clone(), plan.clone(), refusals.clone());
+        RecoveryWorker::new(&layer(&db.store), move |ctx: IdempotencyContext| {
+            let (db, plan, refusals) = (db.clone(), plan.clone(), refusals.clone());
+            async move {
+                let (driver, key, commit) = plan[&ctx.record_id()].clone();
+                let data = ctx.recovery_point().unwrap().data().clone();
+                assert_eq!(data, key.as_bytes(), "{}", driver.label());
+                let action = Action::RecordBytes(alices_statement());
+                let recorded = db
+                    .phase(driver, &ctx, &format!("{key}-worker"), &action, commit)
+                    .await;
+                refusals
+                    .lock()
+                    .unwrap()
+                    .push((driver, recorded.map_err(|e| e.kind())));
+                // Careless: the refusal is ignored, and the answer claimed as recorded.
+                let mut res = action.into_response();
+                res.extensions_mut().insert(RecordDecision::AlreadyRecorded);
+                Ok::<_, BoxError>(res)
+            }
+        })
+    };
+    tokio::time::sleep(LAPSE).await;
+    let report = worker.run_once().await.unwrap();
+    assert_eq!(
+        (report.recovered, report.failed),
+        (0, DRIVERS.len()),
+        "{report:?}"
+    );
+    let mut refusals = std::mem::take(&mut *refusals.lock().unwrap());
+    refusals.sort_by_key(|(d, _)| d.label());
+    let mut want: Vec<_> = DRIVERS
+        .iter()
+        .map(|&d| (d, Err(StoreErrorKind::Unguarded)))
+        .collect();
+    want.sort_by_key(|(d, _)| d.label());
+    assert_eq!(refusals, want);
+
+    for (i, (&driver, held)) in DRIVERS.iter().zip(&dead).enumerate() {
+        let d = driver.label();
+        let key = held.ctx.key().unwrap();
+        // The transaction went on after the refusal: committed or rolled back as planned.
+        assert_eq!(
+            db.has_order(&format!("{key}-worker")).await,
+            i % 2 == 0,
+            "{d}"
+        );
+        let record = db.store.get(&held.ctx.record_id()).await.unwrap().unwrap();
+        assert!(
+            matches!(record.state, RecordState::InProgress { .. }),
+            "{d}: nothing recorded: {record:?}"
+        );
+        assert_eq!(record.generation, 2, "{d}: the worker's claim");
+        let point = record.recovery_point.unwrap();
+        assert_eq!(
+            (point.step(), point.data().as_ref()),
+            ("created", key.as_bytes()),
+            "{d}"
+        );
+    }
+
+    // Once the worker's claims lapse, Bob's retries take over, resume from Alice's point and
+    // answer for themselves.
+    tokio::time::sleep(LAPSE).await;
+    let bob = service_fn(|req: Request<RequestBody<Full<Bytes>>>| async move {
+        let ctx = req
+            .extensions()
+            .get::<IdempotencyContext>()
+            .cloned()
+            .unwrap();
+        let step = ctx.recovery_point().map(|p| p.step().to_owned());
+        let body = format!(
+            "bob's own answer, generation {}, resumed from {step:?}",
+            ctx.generation()
+        );
+        Ok::<_, Infallible>(
+            Response::builder()
+                .status(StatusCode::CREATED)
+                .body(Full::new(Bytes::from(body)))
+                .unwrap(),
+        )
+    });
+    let bob = layer(&db.store).layer(bob);
+    for (&driver, held) in DRIVERS.iter().zip(&dead) {
+        let d = driver.label();
+        let mut retry = post("/orders", held.ctx.key(), "{}");
+        retry
+            .headers_mut()
+            .insert(http::header::AUTHORIZATION, "Bearer bob".parse().unwrap());
+        let res = bob.clone().oneshot(retry).await.unwrap();
+        assert_eq!(res.status(), StatusCode::CREATED, "{d}");
+        assert!(res.headers().get("idempotent-replayed").is_none(), "{d}");
+        assert_eq!(
+            body_bytes(res).await,
+            r#"bob's own answer, generation 3, resumed from Some("created")"#,
+            "{d}"
+        );
+    }
+
+    drop((worker, dead, svc, handed, bob));
+    let db = Arc::into_inner(db).expect("every service is dropped");
+    db.drop_now().await;
+}
