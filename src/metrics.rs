@@ -12,6 +12,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::config::Config;
+use crate::store::Outage;
 
 /// Keyed requests by how the layer answered them, one per request.
 #[cfg(feature = "metrics")]
@@ -28,6 +29,11 @@ pub(crate) const RECORDED_BODY: &str = "idempotency_recorded_body_bytes";
 /// Seconds a request spent waiting for another attempt (wait mode), per wait.
 #[cfg(feature = "metrics")]
 pub(crate) const WAIT_DURATION: &str = "idempotency_wait_seconds";
+
+/// Keyed requests refused (`503`) for an outage the store logs itself, by `reason`:
+/// `failover` (writes held for a failover), `replication` (`WAIT` saw too few replicas).
+#[cfg(feature = "metrics")]
+pub(crate) const OUTAGE_REFUSALS: &str = "idempotency_outage_refusals_total";
 
 /// Records the recovery worker looked at, by outcome: `recovered`, `failed`, `left`, `taken`.
 #[cfg(feature = "metrics")]
@@ -96,6 +102,20 @@ impl Labels {
             "protocol" => self.protocol, "store" => self.store)
         .increment(1);
         let _ = event;
+    }
+
+    /// Counts a request refused for an outage the store logs itself (one line per outage,
+    /// not one per request).
+    pub(crate) fn refused(&self, outage: Outage) {
+        let reason = match outage {
+            Outage::Failover => "failover",
+            Outage::Replication => "replication",
+        };
+        #[cfg(feature = "metrics")]
+        metrics::counter!(OUTAGE_REFUSALS, "reason" => reason, "route" => self.route.clone(),
+            "protocol" => self.protocol, "store" => self.store)
+        .increment(1);
+        let _ = reason;
     }
 
     pub(crate) fn recorded_body(&self, bytes: usize) {

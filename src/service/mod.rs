@@ -547,7 +547,14 @@ impl Keyed {
                 }
                 Err(e) => {
                     self.outcome(Outcome::StoreError);
-                    tracing::error!(error = %Chain(&e), "idempotency store failed; refusing the request (fail closed)");
+                    // An outage the store logs once (a failover hold, a WAIT shortfall)
+                    // refuses every request while it lasts: count those, log them at DEBUG.
+                    if let Some(outage) = e.outage() {
+                        self.flow.labels.refused(outage);
+                        tracing::debug!(error = %Chain(&e), "idempotency store refused during an outage; refusing the request (fail closed)");
+                    } else {
+                        tracing::error!(error = %Chain(&e), "idempotency store failed; refusing the request (fail closed)");
+                    }
                     let detail = if e.kind() == StoreErrorKind::Unknown {
                         "the idempotency store did not answer in time; the request was not processed"
                     } else {

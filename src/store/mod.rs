@@ -391,12 +391,27 @@ pub enum StoreErrorKind {
 pub struct StoreError {
     kind: StoreErrorKind,
     source: Option<Box<dyn StdError + Send + Sync + 'static>>,
+    outage: Option<Outage>,
+}
+
+/// A state of the backend that its store logs once, when it begins and ends: the layer counts
+/// the calls it refused rather than logging each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Outage {
+    /// A failover of the primary is under way: writes are held.
+    Failover,
+    /// Fewer replicas than asked for acknowledged a write.
+    Replication,
 }
 
 impl StoreError {
     /// An error of `kind` with no underlying cause.
     pub fn new(kind: StoreErrorKind) -> Self {
-        Self { kind, source: None }
+        Self {
+            kind,
+            source: None,
+            outage: None,
+        }
     }
 
     /// An error of `kind` caused by `source`; the source chain is kept.
@@ -407,7 +422,19 @@ impl StoreError {
         Self {
             kind,
             source: Some(source.into()),
+            outage: None,
         }
+    }
+
+    /// Marks an error caused by `outage`, which the store logs itself.
+    pub(crate) fn during(mut self, outage: Outage) -> Self {
+        self.outage = Some(outage);
+        self
+    }
+
+    /// The outage that caused this error, when the store said so.
+    pub(crate) fn outage(&self) -> Option<Outage> {
+        self.outage
     }
 
     /// The kind.

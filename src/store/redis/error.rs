@@ -3,10 +3,11 @@
 use std::error::Error as StdError;
 use std::fmt;
 use std::num::NonZeroU32;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use redis::RedisError;
 
-use crate::store::{StoreError, StoreErrorKind};
+use crate::store::{Outage, StoreError, StoreErrorKind};
 
 /// The source of a [`StoreErrorKind::Unavailable`] error when `WAIT` saw too few replicas.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -127,23 +128,236 @@ pub(super) fn fenced() -> StoreError {
     StoreError::new(StoreErrorKind::Fenced)
 }
 
+/// A write refused, or of `kind` (`Unknown`: answered after the hold began), because a
+/// failover of the primary holds writes; the hold's start and end are logged where it is kept.
+pub(super) fn failover_underway(kind: StoreErrorKind) -> StoreError {
+    StoreError::with_source(kind, FailoverUnderway).during(Outage::Failover)
+}
+
 /// `Ok` when `acknowledged` replicas are enough, else [`ReplicationShortfall`].
-pub(super) fn shortfall(acknowledged: u64, wanted: NonZeroU32) -> Result<(), StoreError> {
+fn shortfall(acknowledged: u64, wanted: NonZeroU32) -> Result<(), StoreError> {
     if acknowledged < u64::from(wanted.get()) {
-        return Err(StoreError::with_source(
-            StoreErrorKind::Unavailable,
-            ReplicationShortfall {
-                acknowledged,
-                wanted: wanted.get(),
-            },
-        ));
+        let source = ReplicationShortfall {
+            acknowledged,
+            wanted: wanted.get(),
+        };
+        return Err(StoreError::with_source(StoreErrorKind::Unavailable, source)
+            .during(Outage::Replication));
     }
     Ok(())
 }
 
+/// Whether the last `WAIT` fell short, so that a shortfall is logged when it begins and when
+/// it ends, not once per refused write (one store refuses thousands a second in one).
+#[derive(Debug, Default)]
+pub(super) struct Shortfalls {
+    short: AtomicBool,
+}
+
+impl Shortfalls {
+    /// `Ok` when `acknowledged` replicas are enough, else [`ReplicationShortfall`]; logs a change.
+    pub(super) fn check(&self, acknowledged: u64, wanted: NonZeroU32) -> Result<(), StoreError> {
+        let result = shortfall(acknowledged, wanted);
+        match (self.short.swap(result.is_err(), Ordering::AcqRel), &result) {
+            (false, Err(_)) => tracing::warn!(
+                acknowledged,
+                wanted = wanted.get(),
+                "WAIT: too few replicas acknowledged a write of the Redis idempotency store; \
+                 writes are refused (503) until enough do"
+            ),
+            (true, Ok(())) => tracing::info!(
+                wanted = wanted.get(),
+                "WAIT: enough replicas acknowledge the Redis idempotency store's writes again"
+            ),
+            _ => {}
+        }
+        result
+    }
+}
+
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
+    use std::sync::{Arc, Mutex};
+    use std::time::{Duration, Instant};
+
+    /// Every event of this crate, as its level and its fields' text.
+    #[derive(Clone, Default)]
+    pub(in crate::store::redis) struct Capture(Arc<Mutex<Vec<(tracing::Level, String)>>>);
+
+    impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Capture {
+        fn on_event(
+            &self,
+            event: &tracing::Event<'_>,
+            _: tracing_subscriber::layer::Context<'_, S>,
+        ) {
+            struct Text(String);
+            impl tracing::field::Visit for Text {
+                fn record_debug(&mut self, f: &tracing::field::Field, v: &dyn fmt::Debug) {
+                    self.0.push_str(&format!("{}={v:?} ", f.name()));
+                }
+            }
+            if !event.metadata().target().starts_with("tower_idempotency") {
+                return;
+            }
+            let mut text = Text(String::new());
+            event.record(&mut text);
+            let level = *event.metadata().level();
+            self.0.lock().unwrap().push((level, text.0));
+        }
+    }
+
+    impl Capture {
+        /// Captures this thread's events until the guard drops.
+        pub(in crate::store::redis) fn install(&self) -> tracing::subscriber::DefaultGuard {
+            use tracing_subscriber::layer::SubscriberExt;
+            tracing::subscriber::set_default(tracing_subscriber::registry().with(self.clone()))
+        }
+
+        /// The events at `level` whose text holds `part`.
+        pub(in crate::store::redis) fn lines(
+            &self,
+            level: tracing::Level,
+            part: &str,
+        ) -> Vec<String> {
+            let lines = self.0.lock().unwrap();
+            lines
+                .iter()
+                .filter(|(l, t)| *l == level && t.contains(part))
+                .map(|(_, t)| t.clone())
+                .collect()
+        }
+    }
+
+    /// A keyed POST through `svc`: its status.
+    pub(in crate::store::redis) async fn post<S>(svc: &S, key: &str) -> http::StatusCode
+    where
+        S: tower::Service<
+                http::Request<http_body_util::Full<bytes::Bytes>>,
+                Response = http::Response<crate::ResponseBody<http_body_util::Full<bytes::Bytes>>>,
+                Error = std::convert::Infallible,
+            > + Clone,
+    {
+        use tower::ServiceExt;
+        let req = http::Request::post("/pay")
+            .header("idempotency-key", key)
+            .header("content-type", "application/json")
+            .body(http_body_util::Full::new(bytes::Bytes::from_static(b"{}")))
+            .unwrap();
+        svc.clone().oneshot(req).await.unwrap().status()
+    }
+
+    /// The value of the counter `name` whose labels include `labels`.
+    #[cfg(feature = "metrics")]
+    pub(in crate::store::redis) fn counter(
+        snapshotter: &metrics_util::debugging::Snapshotter,
+        name: &str,
+        labels: &[(&str, &str)],
+    ) -> u64 {
+        snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .filter(|(key, ..)| {
+                let key = key.key();
+                key.name() == name
+                    && labels
+                        .iter()
+                        .all(|(k, v)| key.labels().any(|l| l.key() == *k && l.value() == *v))
+            })
+            .map(|(.., value)| match value {
+                metrics_util::debugging::DebugValue::Counter(n) => n,
+                _ => 0,
+            })
+            .sum()
+    }
+
+    #[test]
+    fn a_wait_shortfall_is_logged_when_it_begins_and_when_it_ends() {
+        let capture = Capture::default();
+        let _guard = capture.install();
+        let shortfalls = Shortfalls::default();
+        let one = NonZeroU32::new(1).unwrap();
+        for _ in 0..5 {
+            let e = shortfalls.check(0, one).unwrap_err();
+            assert_eq!(e.outage(), Some(Outage::Replication));
+        }
+        shortfalls.check(1, one).unwrap();
+        shortfalls.check(1, one).unwrap();
+        assert_eq!(
+            capture
+                .lines(tracing::Level::WARN, "too few replicas")
+                .len(),
+            1
+        );
+        assert_eq!(
+            capture.lines(tracing::Level::INFO, "enough replicas").len(),
+            1
+        );
+        assert_eq!(capture.0.lock().unwrap().len(), 2, "nothing else is logged");
+    }
+
+    #[tokio::test]
+    async fn requests_refused_in_a_wait_shortfall_are_counted_not_logged_as_errors() {
+        let Some(url) = crate::store::test_backend_url("IDEMPOTENCY_TEST_REDIS_URL") else {
+            return;
+        };
+        let prefix = format!(
+            "tidem-unit-short-{}-{:?}:",
+            std::process::id(),
+            Instant::now()
+        )
+        .replace(['{', '}'], "");
+        // One replica asked of a Redis that has none: every winning claim falls short.
+        let store = super::super::RedisStore::builder()
+            .with_key_prefix(prefix)
+            .with_wait(NonZeroU32::new(1).unwrap(), Duration::from_millis(5))
+            .with_replica_check(false)
+            .connect(&url)
+            .await
+            .unwrap();
+        let svc = tower::Layer::layer(
+            &crate::IdempotencyLayer::new(store).unscoped(),
+            tower::service_fn(
+                |_: http::Request<crate::RequestBody<http_body_util::Full<bytes::Bytes>>>| async {
+                    Ok::<_, std::convert::Infallible>(http::Response::new(
+                        http_body_util::Full::new(bytes::Bytes::from_static(b"ran")),
+                    ))
+                },
+            ),
+        );
+        let capture = Capture::default();
+        let _guard = capture.install();
+        #[cfg(feature = "metrics")]
+        let recorder = metrics_util::debugging::DebuggingRecorder::new();
+        #[cfg(feature = "metrics")]
+        let _metrics = metrics::set_default_local_recorder(&recorder);
+
+        const N: usize = 12;
+        for i in 0..N {
+            assert_eq!(post(&svc, &format!("k{i}")).await, 503);
+        }
+        assert_eq!(
+            capture.lines(tracing::Level::ERROR, "").len(),
+            0,
+            "no ERROR line per request"
+        );
+        assert_eq!(
+            capture
+                .lines(tracing::Level::WARN, "too few replicas")
+                .len(),
+            1
+        );
+        #[cfg(feature = "metrics")]
+        assert_eq!(
+            counter(
+                &recorder.snapshotter(),
+                crate::metrics::OUTAGE_REFUSALS,
+                &[("reason", "replication"), ("store", "redis")],
+            ),
+            N as u64
+        );
+    }
 
     #[test]
     fn redis_errors_map_to_store_error_kinds() {

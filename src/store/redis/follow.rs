@@ -20,6 +20,8 @@ use redis::sentinel::Sentinel;
 use redis::{RedisError, Value};
 
 use super::connection::RedisConnection;
+use super::error::Shortfalls;
+use super::events::{Change, End, Hold, Step, HOLD_MAX};
 
 /// The shortest time between two refreshes: a crashed primary makes every call fail, and
 /// each failure asks for one.
@@ -63,8 +65,8 @@ pub(super) struct Link {
     timeout: Duration,
     config: ConnectionManagerConfig,
     scripts: Vec<&'static str>,
-    /// While set, a failover of the primary is under way: writes are refused until then.
-    hold: Mutex<Option<Instant>>,
+    /// While on, a failover of the primary is under way: writes are refused.
+    hold: Mutex<Hold>,
     /// Bumped when a hold starts, so a write sent before it is not acknowledged after it.
     holds: AtomicU64,
     /// The primary Sentinel announced last (`+switch-master`), for the next refresh: the
@@ -73,6 +75,8 @@ pub(super) struct Link {
     announced: Mutex<Option<(String, u16)>>,
     /// Dropped with the link: tells the event watchers to end.
     closing: tokio::sync::watch::Sender<()>,
+    /// Whether `WAIT` falls short now, so that it is logged when that begins and ends.
+    pub(super) shortfalls: Shortfalls,
 }
 
 impl Link {
@@ -98,10 +102,11 @@ impl Link {
             timeout,
             config,
             scripts,
-            hold: Mutex::new(None),
+            hold: Mutex::new(Hold::default()),
             holds: AtomicU64::new(0),
             closing: tokio::sync::watch::channel(()).0,
             announced: Mutex::new(None),
+            shortfalls: Shortfalls::default(),
         }
     }
 
@@ -282,16 +287,50 @@ impl Link {
         self.suspect(self.epoch());
     }
 
-    /// Refuses writes until `until` (a failover of the primary started), or until the
-    /// connection is replaced, whichever comes first.
-    pub(super) fn hold_until(&self, until: Instant) {
-        *self.hold.lock().unwrap_or_else(|e| e.into_inner()) = Some(until);
-        self.holds.fetch_add(1, Ordering::AcqRel);
+    /// Applies a failover event `event` that `sentinel` sent (see [`Hold`]); logs the hold's
+    /// start and end, once each.
+    pub(super) fn failover_event(&self, sentinel: &str, event: &str, step: &Step) -> Change {
+        let now = Instant::now();
+        let mut hold = self.hold.lock().unwrap_or_else(|e| e.into_inner());
+        if hold.held(now).1 {
+            log_end(End::Expired);
+        }
+        let change = hold.apply(sentinel, step, now);
+        if matches!(change, Change::Started | Change::Renewed) {
+            // Once the hold is on: a write that read the count before it sees the hold, or
+            // the count changed when its reply comes.
+            self.holds.fetch_add(1, Ordering::AcqRel);
+        }
+        match change {
+            Change::Started => tracing::warn!(
+                event,
+                sentinel,
+                "a Sentinel failover of the idempotency store's primary started; writes are \
+                 refused (503) until it ends"
+            ),
+            Change::Renewed => tracing::debug!(event, sentinel, "the failover hold goes on"),
+            Change::Kept => tracing::debug!(
+                event,
+                sentinel,
+                holders = ?hold.holders(),
+                "a Sentinel aborted its failover; the hold stays while another one's goes on"
+            ),
+            Change::Ended(end) => log_end(end),
+            Change::Switched | Change::Unchanged => {}
+        }
+        change
     }
 
-    /// Ends a hold (the failover ended, or was aborted).
+    /// Ends a hold: the store is connected to the primary Sentinel announced.
     pub(super) fn release_hold(&self) {
-        *self.hold.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        let end = self
+            .hold
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .end(Instant::now());
+        if let Some(end) = end {
+            log_end(end);
+        }
     }
 
     /// The number of holds so far, read before a write is sent.
@@ -302,14 +341,32 @@ impl Link {
     /// `true` while a hold lasts.
     pub(super) fn held(&self) -> bool {
         let mut hold = self.hold.lock().unwrap_or_else(|e| e.into_inner());
-        match *hold {
-            Some(until) if Instant::now() < until => true,
-            Some(_) => {
-                *hold = None;
-                false
-            }
-            None => false,
+        let (on, expired) = hold.held(Instant::now());
+        if expired {
+            log_end(End::Expired);
         }
+        on
+    }
+}
+
+/// One line per hold, however many writes it refused.
+fn log_end(end: End) {
+    match end {
+        End::Connected => tracing::info!(
+            ended = "connected",
+            "the Redis idempotency store's failover hold ended: it is connected to the primary \
+             Sentinel announced; writes resume"
+        ),
+        End::Aborted => tracing::info!(
+            ended = "aborted",
+            "the Redis idempotency store's failover hold ended: every Sentinel that started \
+             the failover aborted it; writes resume on the same primary"
+        ),
+        End::Expired => tracing::warn!(
+            ended = "expired",
+            "the Redis idempotency store's failover hold ended: no news of the failover's \
+             end within {HOLD_MAX:?}; writes resume"
+        ),
     }
 }
 

@@ -135,9 +135,14 @@
 //!   would redial the old address (a primary that restarted empty, or was demoted). The store
 //!   also listens to the Sentinels' failover events
 //!   ([`with_failover_events`](RedisStoreBuilder::with_failover_events)): from a failover's
-//!   first event until it is connected to the announced primary it acknowledges no write, so
-//!   an old primary that still takes writes during a forced failover cannot lose an answer
-//!   the store reported as recorded.
+//!   first event until it is connected to the primary `+switch-master` announced it
+//!   acknowledges no write, so an old primary that still takes writes during a forced
+//!   failover cannot lose an answer the store reported as recorded. Only an abort by every
+//!   Sentinel that reported the failover ends this hold early (a Sentinel that lost the
+//!   leader election aborts while the leader goes on), and 30 s without a further event end
+//!   it in case the end was missed. The hold logs once when it starts (WARN) and once when it
+//!   ends, saying how (INFO); the layer counts the requests it refused
+//!   (`idempotency_outage_refusals_total`) and logs each at DEBUG only.
 //!
 //! A call that was under way when its connection was found suspect, or when a failover
 //! began, is reported [`StoreErrorKind::Unknown`], never acknowledged. What each `WAIT`
@@ -270,7 +275,7 @@ pub use setup::{RedisStoreBuilder, SetupError};
 use super::{Claim, ClaimOutcome, ClaimRequest, IdempotencyStore, StoreError, StoreErrorKind};
 use crate::record::{Completion, Fingerprint, Record, RecordId, RecordState, ScopeId, Token};
 use crate::recovery::RecoveryPoint;
-use error::{corrupt, fenced, shortfall, unknown, BadReply, Failure};
+use error::{corrupt, failover_underway, fenced, unknown, BadReply, Failure};
 use record::{Clock, Found};
 use scripts::{Lua, Scripts};
 use setup::Dedicated;
@@ -510,9 +515,8 @@ impl RedisStore {
         let link = &self.inner.link;
         let holds = link.holds();
         if link.held() {
-            return Err(Failure::Certain(StoreError::with_source(
+            return Err(Failure::Certain(failover_underway(
                 StoreErrorKind::Unavailable,
-                error::FailoverUnderway,
             )));
         }
         Ok(holds)
@@ -522,10 +526,7 @@ impl RedisStore {
     /// and lost with it: its outcome is unknown, never acknowledged.
     fn acknowledge_unless_failover(&self, holds: u64) -> Result<(), Failure> {
         if self.inner.link.holds() != holds {
-            return Err(Failure::Certain(StoreError::with_source(
-                StoreErrorKind::Unknown,
-                error::FailoverUnderway,
-            )));
+            return Err(Failure::Certain(failover_underway(StoreErrorKind::Unknown)));
         }
         Ok(())
     }
@@ -587,7 +588,7 @@ impl RedisStore {
             .write_and_wait(dedicated, &self.inner.scripts.extend, keys, &args, wait)
             .await
         {
-            Ok((Value::Int(1), acked)) => shortfall(acked, wait.0),
+            Ok((Value::Int(1), acked)) => self.inner.link.shortfalls.check(acked, wait.0),
             // Released or expired in between: the claim is not ours to report.
             Ok((Value::Int(0), _)) => Err(StoreError::with_source(
                 StoreErrorKind::Unavailable,
@@ -617,7 +618,7 @@ impl RedisStore {
             Ok(Err(e)) => return Err(self.failed(epoch, e).into_error()),
             Err(elapsed) => return Err(StoreError::with_source(StoreErrorKind::Unknown, elapsed)),
         };
-        shortfall(acknowledged, wanted)
+        self.inner.link.shortfalls.check(acknowledged, wanted)
     }
 
     /// Runs the script `lua` with `args` on `key`, then `WAIT`, as one pipeline on a dedicated
@@ -1182,10 +1183,12 @@ impl IdempotencyStore for RedisStore {
             let mut lost = None;
             for _ in 0..2 {
                 match self.write_and_wait(dedicated, lua, &keys, args, wait).await {
-                    Ok((Value::Int(1), acked)) => return shortfall(acked, wait.0),
+                    Ok((Value::Int(1), acked)) => {
+                        return self.inner.link.shortfalls.check(acked, wait.0)
+                    }
                     Ok((Value::Int(2), acked)) => {
                         self.forget_recoverable(id).await;
-                        return shortfall(acked, wait.0);
+                        return self.inner.link.shortfalls.check(acked, wait.0);
                     }
                     Ok((Value::Int(0), _)) => return Err(fenced()),
                     Ok(_) => return Err(corrupt("complete script reply")),

@@ -85,8 +85,10 @@ impl RedisStoreBuilder {
     /// Whether a store on Sentinel ([`connect_sentinel`](Self::connect_sentinel)) listens to
     /// the Sentinels' failover events (default `true`). From the first sign of a failover of
     /// its primary (`+try-failover` and the steps after it) until it is connected to the new
-    /// primary (`+switch-master`), or the failover is aborted, or 30 s passed, it refuses
-    /// every claim (a replay too: the claim answers it), complete, renewal and release
+    /// primary (`+switch-master`), or every Sentinel that reported the failover aborted it
+    /// (one that lost the leader election does not end it), or 30 s passed without a
+    /// further event, it refuses every claim (a replay too: the claim answers it), complete,
+    /// renewal and release
     /// ([`StoreErrorKind::Unavailable`](crate::store::StoreErrorKind::Unavailable)
     /// with a [`FailoverUnderway`](super::FailoverUnderway) source: the layer answers 503),
     /// and a write answered after the failover began is reported
