@@ -7,6 +7,8 @@ use crate::store::{Completion, Fingerprint, RecordId, Token};
 use http::StatusCode;
 
 use super::recovery::point;
+#[cfg(doc)]
+use super::run_recovery;
 use super::{assert_fenced, fp, response, unique_id, DynAdminStore, LEASE, TTL};
 
 /// The operator API: `inspect` reports state, generation, lease, expiry and the answer;

@@ -118,8 +118,6 @@ fn policy_from_info(v: &Value) -> Option<String> {
 mod tests {
     use super::*;
 
-    use super::*;
-
     fn bulk(b: &[u8]) -> Value {
         Value::BulkString(b.to_vec())
     }

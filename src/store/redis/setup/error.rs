@@ -5,6 +5,11 @@ use std::fmt;
 
 use redis::RedisError;
 
+#[cfg(doc)]
+use super::RedisStoreBuilder;
+#[cfg(doc)]
+use crate::store::redis::RedisStore;
+
 /// Why a [`RedisStore`] could not be built. The text names the cause and what to do.
 ///
 /// `Debug` prints the same text as `Display`, so that an error returned from `main` shows
