@@ -63,7 +63,11 @@
 //! `tower-idempotency record v3\0`, the scope framed in the same way, zero bytes up to the
 //! next multiple of 64 bytes, the key's length (8 bytes, big-endian) and the key; its first
 //! 4 bytes are then replaced by the first 4 bytes of the scope id, so every record id begins
-//! with its scope's prefix, and 224 bits of the hash remain.
+//! with its scope's prefix, and 224 bits of the hash remain. The `recovery_point` column
+//! holds the step, the data the handler saved (as it gave them), the saving claim's
+//! generation and the scope id, never the scope (points an earlier version wrote kept the
+//! scope; they are still read, and go with their record). The
+//! [security page](crate::security#what-the-crate-stores) lists what each store keeps.
 //!
 //! `migrate` also sets the table's storage settings, where the table has none of its own
 //! (so an operator's tuning survives restarts): `fillfactor = 80`, which leaves room on

@@ -221,8 +221,9 @@
 //! [per-scope quotas](#per-scope-quotas)): `<prefix>{<8 hex>}<56 hex>`. The prefix must not
 //! contain braces. The value is an 82-byte header (format, state, fingerprint, nonce,
 //! generation, lease, at fixed offsets, so the scripts read and rewrite fields with
-//! `GETRANGE` and `SETRANGE` and never copy the answer) followed, once completed, by the
-//! answer as [`Completion::encode`] bytes. Records in the earlier format (one hash each) read
+//! `GETRANGE` and `SETRANGE` and never copy the answer; with per-scope quotas 146 bytes, the
+//! last 64 the scope id in hex) followed, once completed, by the answer as
+//! [`Completion::encode`] bytes. Records in the earlier format (one hash each) read
 //! as [`StoreErrorKind::Corrupt`]: see the changelog.
 //!
 //! The lease field is `k` and the 15-digit gap between the lease's end and the key's expiry.
@@ -234,7 +235,10 @@
 //! twice. Completed records read the same in both.
 //!
 //! A record in progress that saved a [recovery point](crate::RecoveryPoint) has state `r`
-//! and the point after its header; `complete` and `release` drop it. `<prefix>recoverable`
+//! and the point after its header (its step and data as the handler gave them, the saving
+//! claim's generation and the scope id: never the scope, nor the key, which no key, value or
+//! index here holds in the clear; see [security](crate::security#what-the-crate-stores));
+//! `complete` and `release` drop it. `<prefix>recoverable`
 //! is a sorted set of the record ids that saved one, by when the
 //! [recovery worker](crate::RecoveryWorker) should look at them next: one key for the whole
 //! store (on a cluster, one slot apart from the records), so it is a hint, and the worker
