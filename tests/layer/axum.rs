@@ -16,9 +16,10 @@ use bytes::Bytes;
 use support::{body_bytes, body_json};
 use tokio::sync::Notify;
 use tower::ServiceExt;
-use tower_idempotency::store::MemoryStore;
+use tower_idempotency::store::{Completion, IdempotencyStore, MemoryStore, RecordId, RecordState};
 use tower_idempotency::{
-    ErrorKind, IdempotencyContext, IdempotencyError, IdempotencyLayer, Key, RecordDecision,
+    BoxError, ErrorKind, IdempotencyContext, IdempotencyError, IdempotencyLayer, Key,
+    RecordDecision, RecoveryWorker, Timing,
 };
 
 #[derive(Default)]
@@ -399,4 +400,129 @@ async fn the_context_is_an_extractor_whose_rejection_is_a_problem_naming_the_mis
         .await
         .unwrap();
     assert_eq!(body_bytes(res).await, "keyed");
+}
+
+/// A payment in two steps, shared by the axum handler and the recovery worker's recover
+/// function: create the payment (saving a point), then charge it and answer what an axum
+/// handler answers. `die` makes the holder stop for good right after its save.
+#[derive(Default)]
+struct PaySteps {
+    die: std::sync::atomic::AtomicBool,
+    saved: Notify,
+    created: AtomicUsize,
+    charged: AtomicUsize,
+}
+
+async fn pay_steps(
+    ctx: &IdempotencyContext,
+    steps: &PaySteps,
+) -> Result<impl IntoResponse, BoxError> {
+    let (payment, resumed_from) = match ctx.recovery_point() {
+        // A takeover (the worker's, or a retry's): the payment the dead attempt created.
+        Some(p) => (
+            String::from_utf8(p.data().to_vec())?,
+            Some(p.step().to_owned()),
+        ),
+        None => {
+            steps.created.fetch_add(1, Ordering::SeqCst);
+            let payment = format!("pay_{}", &ctx.derive("payment")[..12]);
+            ctx.save_recovery_point("created", payment.clone()).await?;
+            steps.saved.notify_one();
+            if steps.die.load(Ordering::SeqCst) {
+                std::future::pending::<()>().await;
+            }
+            (payment, None)
+        }
+    };
+    steps.charged.fetch_add(1, Ordering::SeqCst);
+    let body = serde_json::json!({
+        "payment": payment,
+        "charge_key": ctx.derive("charge"),
+        "resumed_from": resumed_from,
+    });
+    Ok((
+        StatusCode::CREATED,
+        [("x-payment", payment)],
+        axum::Json(body),
+    ))
+}
+
+/// The handler: the steps, and a 503 when a step fails.
+async fn pay(State(steps): State<Arc<PaySteps>>, ctx: IdempotencyContext) -> impl IntoResponse {
+    pay_steps(&ctx, &steps)
+        .await
+        .map_err(|e| (StatusCode::SERVICE_UNAVAILABLE, e.to_string()))
+}
+
+/// Must-have 6 of issue 45: the recover function runs the handler's own steps and answers
+/// with `into_response()` (`Response<axum::body::Body>`), with no conversion to bytes. A
+/// holder dies after its save; the worker finishes the payment from the point; the client's
+/// retry replays the worker's answer byte for byte, and nothing ran twice.
+#[tokio::test]
+#[expect(clippy::mem_forget, reason = "a crash: no destructor may run")]
+async fn the_recovery_worker_runs_the_handlers_steps_and_answers_with_an_axum_response() {
+    let lease = std::time::Duration::from_millis(600);
+    let timing = Timing::new(lease, std::time::Duration::from_secs(60))
+        .unwrap()
+        .with_store_timeout(std::time::Duration::from_millis(150))
+        .unwrap();
+    let store = Arc::new(MemoryStore::new());
+    let layer = IdempotencyLayer::new(store.clone())
+        .unscoped()
+        .with_timing(timing);
+    let steps = Arc::new(PaySteps::default());
+    let router = Router::new()
+        .route("/pay", post(pay))
+        .layer(layer.clone())
+        .with_state(steps.clone());
+    let worker = {
+        let steps = steps.clone();
+        RecoveryWorker::new(&layer, move |ctx: IdempotencyContext| {
+            let steps = steps.clone();
+            async move { Ok::<_, BoxError>(pay_steps(&ctx, &steps).await?.into_response()) }
+        })
+    };
+
+    // The holder saves "created", then dies.
+    steps.die.store(true, Ordering::SeqCst);
+    let mut first = Box::pin(router.clone().oneshot(req("/pay", Some("axum-pay"), "{}")));
+    tokio::select! {
+        r = &mut first => panic!("answered: {:?}", r.map(|r| r.status())),
+        () = steps.saved.notified() => {}
+    }
+    std::mem::forget(first);
+    steps.die.store(false, Ordering::SeqCst);
+    tokio::time::sleep(lease + std::time::Duration::from_millis(200)).await;
+
+    let report = worker.run_once().await.unwrap();
+    assert_eq!((report.recovered, report.failed), (1, 0), "{report:?}");
+    let record = store
+        .get(&RecordId::new(None, "axum-pay"))
+        .await
+        .unwrap()
+        .unwrap();
+    let RecordState::Completed(Completion::Response(stored)) = record.state else {
+        panic!("recorded by the worker: {record:?}")
+    };
+    assert_eq!(record.generation, 2);
+
+    let replay = send(&router, req("/pay", Some("axum-pay"), "{}")).await;
+    assert_eq!(replay.status(), StatusCode::CREATED);
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    assert_eq!(replay.headers()["content-type"], "application/json");
+    let payment = replay.headers()["x-payment"].to_str().unwrap().to_owned();
+    assert!(payment.starts_with("pay_"), "{payment}");
+    let bytes = body_bytes(replay).await;
+    assert_eq!(bytes, stored.body, "the worker's answer, byte for byte");
+    let json: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!(json["payment"], payment.as_str());
+    assert_eq!(json["resumed_from"], "created", "finished from the point");
+    assert_eq!(
+        (
+            steps.created.load(Ordering::SeqCst),
+            steps.charged.load(Ordering::SeqCst)
+        ),
+        (1, 1),
+        "created by the dead holder, charged by the worker, neither twice"
+    );
 }
