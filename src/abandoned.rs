@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::record::RecordId;
+use crate::store::record::RecordId;
 
 /// A key taken over after its holder's lease lapsed, for the hook of
 /// [`with_abandoned_hook`](crate::IdempotencyLayer::with_abandoned_hook).

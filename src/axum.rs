@@ -1,25 +1,15 @@
-//! axum integration (feature `axum`): the context as an extractor, and the original URI of
-//! a request inside nested routers.
+//! axum integration (feature `axum`): the context as an extractor.
 
 use std::convert::Infallible;
 use std::fmt;
 
-use axum::extract::{FromRequestParts, OptionalFromRequestParts, OriginalUri};
+use axum::extract::{FromRequestParts, OptionalFromRequestParts};
 use axum::response::{IntoResponse, Response};
 use http::header::{HeaderValue, CACHE_CONTROL, CONTENT_TYPE};
 use http::request::Parts;
-use http::{StatusCode, Uri};
+use http::StatusCode;
 
 use crate::IdempotencyContext;
-
-/// The URI the client sent. axum's `Router::nest` strips the prefix from the URI that
-/// inner routes (and a layer on them) see, and keeps the original in `OriginalUri`.
-pub(crate) fn original_uri(parts: &Parts) -> &Uri {
-    parts
-        .extensions
-        .get::<OriginalUri>()
-        .map_or(&parts.uri, |o| &o.0)
-}
 
 /// `IdempotencyContext` as an axum extractor: a keyed request the layer runs has one.
 ///

@@ -197,32 +197,22 @@ impl std::error::Error for IdempotencyError {
     }
 }
 
-/// A configuration value was refused.
-///
-/// `Debug` prints the same text as `Display`, so that an error returned from `main` reads as
-/// a sentence.
-#[derive(Clone, PartialEq, Eq)]
-pub struct ConfigError(String);
+pub use crate::store::ConfigError;
 
-impl ConfigError {
-    pub(crate) fn new(msg: impl Into<String>) -> Self {
-        Self(msg.into())
-    }
-}
+/// Displays an error with its whole source chain: "a: b: c".
+pub(crate) struct Chain<'a>(pub(crate) &'a (dyn std::error::Error + 'static));
 
-impl fmt::Display for ConfigError {
+impl fmt::Display for Chain<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "invalid idempotency configuration: {}", self.0)
+        write!(f, "{}", self.0)?;
+        let mut source = self.0.source();
+        while let Some(e) = source {
+            write!(f, ": {e}")?;
+            source = e.source();
+        }
+        Ok(())
     }
 }
-
-impl fmt::Debug for ConfigError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Display::fmt(self, f)
-    }
-}
-
-impl std::error::Error for ConfigError {}
 
 #[cfg(test)]
 mod tests {

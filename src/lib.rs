@@ -274,7 +274,6 @@ mod body;
 #[cfg_attr(docsrs, doc(cfg(feature = "client")))]
 pub mod client;
 mod config;
-mod context;
 mod error;
 mod fingerprint;
 mod grpc;
@@ -282,7 +281,6 @@ mod key;
 mod layer;
 mod metrics;
 mod policy;
-mod record;
 mod recording;
 mod recovery;
 mod response;
@@ -303,18 +301,17 @@ pub mod conformance;
 pub use abandoned::Abandoned;
 pub use body::{RequestBody, ResponseBody};
 pub use config::{InProgress, StoreFailure, Timing, DEFAULT_STORE_TIMEOUT_MAX, MIN_LEASE};
-pub use context::IdempotencyContext;
 pub use error::{ConfigError, ErrorKind, IdempotencyError};
 pub use fingerprint::{Fingerprinting, JsonPointer};
 pub use grpc::Grpc;
 pub use key::{Key, KeyPart};
 pub use layer::IdempotencyLayer;
 pub use policy::{DefaultRecordPolicy, RecordDecision, RecordPolicy, ResponseInfo};
-pub use recovery::{
-    BoxError, RecoveredBody, RecoveryHandle, RecoveryPoint, RecoveryReport, RecoveryWorker,
-};
+pub use recovery::{BoxError, RecoveredBody, RecoveryHandle, RecoveryReport, RecoveryWorker};
 pub use response::{REPLAY_OMITTED_HEADER, TTL_HEADER};
+pub use service::IdempotencyContext;
 pub use service::{Idempotency, ResponseFuture};
+pub use store::RecoveryPoint;
 pub use webhook::{Webhook, DEFAULT_WEBHOOK_TTL};
 
 /// The problem types the layer answers with. Each `type` URI points at its section here.

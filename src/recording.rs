@@ -8,8 +8,8 @@ use http::{HeaderMap, StatusCode};
 use sha2::{Digest, Sha256};
 
 use crate::config::Config;
-use crate::record::{Completion, StoredResponse, VaryGuard};
-use crate::response::VARY_DIGEST;
+use crate::store::record::{names_vary, vary_names};
+use crate::store::record::{Completion, StoredResponse, VaryGuard};
 use crate::store::{StoreError, StoreErrorKind};
 
 /// The completion to store for an answer recorded by a handler or the recovery worker.
@@ -141,47 +141,6 @@ pub(crate) fn vary_matches(stored: &StoredResponse, request: &HeaderMap) -> bool
         .is_none_or(|g| vary_digest(g.names.split(','), request) == g.digest)
 }
 
-/// A record of the first encoding kept the guard as a header: takes it out, as a guard.
-pub(crate) fn legacy_vary_guard(headers: &mut HeaderMap) -> Option<VaryGuard> {
-    let value = headers.remove(VARY_DIGEST)?;
-    let hex = value.as_bytes();
-    let mut digest = [0u8; 32];
-    if hex.len() != 64 {
-        return None;
-    }
-    for (i, pair) in hex.chunks(2).enumerate() {
-        let text = std::str::from_utf8(pair).ok()?;
-        digest[i] = u8::from_str_radix(text, 16).ok()?;
-    }
-    let names = vary_names(headers);
-    Some(VaryGuard {
-        names: names.join(",").into(),
-        digest,
-    })
-}
-
-/// The request header names an answer's `Vary` lists: lower-case, sorted, once each.
-/// `Vary: *` (varies on more than headers) names nothing that can be matched; the scope and
-/// the fingerprint are all that decide then.
-/// Whether an answer's `Vary` names a request header (a guard would be needed).
-pub(crate) fn names_vary(answer: &HeaderMap) -> bool {
-    !vary_names(answer).is_empty()
-}
-
-fn vary_names(answer: &HeaderMap) -> Vec<String> {
-    let mut names: Vec<String> = answer
-        .get_all(http::header::VARY)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .map(|n| n.trim().to_ascii_lowercase())
-        .filter(|n| !n.is_empty() && n != "*")
-        .collect();
-    names.sort_unstable();
-    names.dedup();
-    names
-}
-
 /// The digest of `request`'s values of `names`, each name's values in order.
 fn vary_digest<'a>(names: impl Iterator<Item = &'a str>, request: &HeaderMap) -> [u8; 32] {
     let mut h = Sha256::new();
@@ -202,7 +161,8 @@ fn vary_digest<'a>(names: impl Iterator<Item = &'a str>, request: &HeaderMap) ->
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::record::{MAX_RECORDED_FIELDS, MAX_RECORDED_FIELD_BYTES};
+    use crate::store::record::VARY_DIGEST;
+    use crate::store::record::{MAX_RECORDED_FIELDS, MAX_RECORDED_FIELD_BYTES};
     use http::{HeaderName, HeaderValue};
     use proptest::prelude::*;
 
@@ -343,7 +303,7 @@ mod tests {
         let alice = request("Bearer alice");
         let guard = vary_guard(&answer_varying_on_authorization(), &alice).unwrap();
         let mut headers = answer_varying_on_authorization();
-        let hex = crate::record::hex(&guard.digest);
+        let hex = crate::store::record::hex(&guard.digest);
         headers.insert(VARY_DIGEST, HeaderValue::from_str(&hex).unwrap());
         let mut v1 = StoredResponse::new(StatusCode::OK, headers, Bytes::new(), None);
         v1.vary = None;

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use crate::body::ResponseBody;
 use crate::error::{ErrorKind, IdempotencyError};
-use crate::record::StoredResponse;
+use crate::store::record::StoredResponse;
 
 /// `Idempotent-Replayed: true` marks an answer that came from the store.
 pub(crate) const REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
@@ -211,9 +211,7 @@ pub(crate) fn replay_omitted<B: Body>(status: StatusCode) -> Response<ResponseBo
     res
 }
 
-/// Where records of the first encoding kept the Vary digest, as a header (read by
-/// [`crate::recording::legacy_vary_guard`]); never recorded from an inner service.
-pub(crate) const VARY_DIGEST: HeaderName = HeaderName::from_static("idempotency-vary-digest");
+pub(crate) use crate::store::record::VARY_DIGEST;
 
 /// Never recorded, in headers or trailers, on HTTP or gRPC: the connection's own (HTTP/2
 /// refuses them), values that describe one transmission, cookies (a replay must not hand one

@@ -195,10 +195,7 @@ impl Webhook {
 
 /// The default webhook scope: the endpoint, the path the delivery was sent to.
 fn endpoint(parts: &request::Parts) -> Option<String> {
-    #[cfg(feature = "axum")]
-    let uri = crate::axum::original_uri(parts);
-    #[cfg(not(feature = "axum"))]
-    let uri = &parts.uri;
+    let uri = crate::fingerprint::original_uri(parts);
     Some(format!("endpoint {}", uri.path()))
 }
 

@@ -71,7 +71,7 @@ pub async fn completed_records_replay_byte_exactly(store: DynStore) {
             let Completion::Response(mut r) = response(201, "varies") else {
                 unreachable!()
             };
-            r.vary = Some(crate::record::VaryGuard {
+            r.vary = Some(crate::store::record::VaryGuard {
                 names: "accept-language,authorization".into(),
                 digest: [0x5a; 32],
             });

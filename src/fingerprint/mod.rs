@@ -46,6 +46,16 @@ mod form;
 mod framing;
 mod json;
 mod media;
+/// The URI the client sent. axum's `Router::nest` strips the prefix from the URI that inner
+/// routes (and a layer on them) see, and keeps the original in `OriginalUri`.
+pub(crate) fn original_uri(parts: &http::request::Parts) -> &http::Uri {
+    #[cfg(feature = "axum")]
+    if let Some(original) = parts.extensions.get::<axum::extract::OriginalUri>() {
+        return &original.0;
+    }
+    &parts.uri
+}
+
 #[cfg(test)]
 mod tests;
 
@@ -54,7 +64,7 @@ use http::{request, HeaderMap, HeaderName, Uri};
 use sha2::{Digest, Sha256};
 
 use crate::policy::is_grpc;
-use crate::record::Fingerprint;
+use crate::store::record::Fingerprint;
 
 use self::form::canonical_form_into;
 use self::framing::{BodyKind, Hasher};

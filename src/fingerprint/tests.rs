@@ -397,7 +397,7 @@ fn media_type_fingerprints_keep_their_values() {
             }
             let (parts, ()) = req.body(()).unwrap().into_parts();
             let fp = fingerprint(&parts, &parts.uri, body, &Fingerprinting::default());
-            crate::record::hex(fp.as_bytes())
+            crate::store::record::hex(fp.as_bytes())
         })
         .collect();
     assert_eq!(got, want, "{got:#?}");

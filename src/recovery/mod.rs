@@ -2,7 +2,6 @@
 //! holder died after saving one. The [guide](crate::resumable) shows the pattern.
 
 mod body;
-mod point;
 
 use std::collections::HashSet;
 use std::future::Future;
@@ -16,11 +15,10 @@ use http::Response;
 use tokio::time::Instant;
 
 pub use body::RecoveredBody;
-pub use point::RecoveryPoint;
 
 use crate::config::Config;
 use crate::policy::{decide, RecordDecision, ResponseInfo};
-use crate::record::{Completion, Record, RecordId, RecordState, Token};
+use crate::store::record::{Completion, Record, RecordId, RecordState, Token};
 use crate::store::{ClaimOutcome, ClaimRequest, StoreError, StoreErrorKind};
 use crate::{IdempotencyContext, IdempotencyLayer};
 
@@ -444,7 +442,18 @@ where
             Ok(completion) => completion,
             Err(e) => {
                 let recorded = decision == RecordDecision::AlreadyRecorded;
-                tracing::error!(record = %short(&id), recorded_by_the_function = recorded, error = %crate::service::Chain(&e), "the recover function's answer varies on request headers, which the worker does not have; it is not recorded, and the client's retry resumes");
+                // A function that stored a completion it built by hand bypassed the refusal:
+                // the worker cannot undo it, so it says so.
+                let stored = recorded
+                    && matches!(
+                        tokio::time::timeout(cfg.timing.store_timeout(), store.get(&id)).await,
+                        Ok(Ok(Some(r))) if matches!(r.state, RecordState::Completed(_)) && r.holder == Some(token)
+                    );
+                if stored {
+                    tracing::error!(record = %short(&id), recorded_by_the_function = true, error = %crate::service::Chain(&e), "the recover function stored an answer that varies on request headers without its Vary guard (a completion built by hand); retries replay it to any caller until an operator deletes it");
+                } else {
+                    tracing::error!(record = %short(&id), recorded_by_the_function = recorded, error = %crate::service::Chain(&e), "the recover function's answer varies on request headers, which the worker does not have; it is not recorded, and the client's retry resumes");
+                }
                 return Outcome::Failed;
             }
         };

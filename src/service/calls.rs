@@ -9,8 +9,9 @@ use tokio::time::Instant;
 use super::deadline::{bounded, deadline, retry_until, Lease};
 use super::{Chain, Keyed};
 use crate::metrics::{timed, Event};
-use crate::record::{Completion, RecordState, Token};
+use crate::store::record::{Completion, RecordState, Token};
 use crate::store::StoreError;
+use std::any::Any;
 
 impl Keyed {
     /// Records, retrying while the lease lives; then the caller answers anyway.
@@ -133,4 +134,13 @@ impl Keyed {
             }
         }
     }
+}
+
+/// The text of a caught panic, for its log line.
+pub(super) fn panic_message(panic: &(dyn Any + Send)) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("a non-string panic")
 }

@@ -15,7 +15,7 @@ use super::deadline::{bounded, deadline, retry_until, within};
 use super::Chain;
 use crate::config::Config;
 use crate::metrics::{timed, Labels};
-use crate::record::RecordId;
+use crate::store::record::RecordId;
 use crate::store::{Claim, ClaimOutcome, StoreError};
 
 pub(super) type ClaimFuture =

@@ -21,19 +21,24 @@ use tracing::Instrument;
 
 use crate::body::{Ended, RequestBody, ResponseBody, StreamEnd};
 use crate::config::{Config, Scope};
-use crate::context::IdempotencyContext;
+mod context;
+#[cfg(feature = "postgres")]
+mod record_in;
+
 use crate::error::{ErrorKind, IdempotencyError};
 use crate::fingerprint::fingerprint;
 use crate::grpc::Grpc;
 use crate::key::Refusal;
 use crate::metrics::{timed, Event, Labels, Outcome};
 use crate::policy::{decide, is_grpc, RecordDecision, ResponseInfo};
-use crate::record::{Completion, Fingerprint, RecordId, RecordState, ScopeId, Token};
 use crate::response;
+use crate::store::record::{Completion, Fingerprint, RecordId, RecordState, ScopeId, Token};
 use crate::store::{Claim, ClaimOutcome, ClaimRequest, StoreError, StoreErrorKind};
+pub use context::IdempotencyContext;
 
 mod buffer;
 mod calls;
+use calls::panic_message;
 mod claim;
 mod deadline;
 mod future;
@@ -227,20 +232,7 @@ type Answer<B, E> = Result<Response<ResponseBody<B>>, E>;
 /// is settled.
 type Delivery<B, E> = Result<Answer<B, E>, Panic>;
 
-/// Displays an error with its whole source chain: "a: b: c".
-pub(crate) struct Chain<'a>(pub(crate) &'a (dyn std::error::Error + 'static));
-
-impl fmt::Display for Chain<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.0)?;
-        let mut source = self.0.source();
-        while let Some(e) = source {
-            write!(f, ": {e}")?;
-            source = e.source();
-        }
-        Ok(())
-    }
-}
+pub(crate) use crate::error::Chain;
 
 struct Flow {
     cfg: Arc<Config>,
@@ -352,10 +344,7 @@ impl Flow {
 
         // 4. Fingerprint. 5. Record id: the store never sees the raw key.
         // The path the client sent: inside axum's nested routers `parts.uri` lost its prefix.
-        #[cfg(feature = "axum")]
-        let target = crate::axum::original_uri(&parts);
-        #[cfg(not(feature = "axum"))]
-        let target = &parts.uri;
+        let target = crate::fingerprint::original_uri(&parts);
         let fp = fingerprint(&parts, target, &bytes, &self.cfg.fingerprint);
         let (scope_id, id) = RecordId::cached(scope.as_deref(), &key);
         let span = tracing::info_span!(
@@ -902,12 +891,4 @@ impl Keyed {
             }
         }
     }
-}
-
-fn panic_message(panic: &(dyn Any + Send)) -> &str {
-    panic
-        .downcast_ref::<&str>()
-        .copied()
-        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
-        .unwrap_or("a non-string panic")
 }

@@ -10,7 +10,7 @@ use tokio::time::Instant;
 use super::deadline::{bounded, deadline, BACKOFF_MAX, BACKOFF_START};
 use crate::config::Config;
 use crate::metrics::timed;
-use crate::record::{RecordId, RecordState};
+use crate::store::record::{RecordId, RecordState};
 
 /// Wait mode's registry: one poller per record id, many listeners.
 #[derive(Debug, Default)]

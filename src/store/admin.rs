@@ -7,7 +7,7 @@ use async_trait::async_trait;
 use http::StatusCode;
 
 use super::StoreError;
-use crate::record::{Completion, Fingerprint, Record, RecordId, RecordState};
+use crate::store::record::{Completion, Fingerprint, Record, RecordId, RecordState};
 
 /// What an operator needs to fix a key by hand, beside the [`IdempotencyStore`] trait so
 /// that trait stays small. Every store that ships with the crate implements it; the
@@ -101,7 +101,7 @@ pub struct RecordInfo {
     /// The fingerprint of the request that claimed the key.
     pub fingerprint: Fingerprint,
     /// The last recovery point an attempt saved (in progress only): the step it reached.
-    pub recovery_point: Option<crate::RecoveryPoint>,
+    pub recovery_point: Option<super::RecoveryPoint>,
 }
 
 impl RecordInfo {

@@ -222,13 +222,18 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
+pub(crate) mod record;
 /// The store data model: what a store keeps and answers.
-pub use crate::record::{
+pub use record::{
     Completion, DecodeError, Fingerprint, Record, RecordId, RecordState, ScopeId, StoredResponse,
     Token,
 };
 
-pub use crate::recovery::RecoveryPoint;
+mod point;
+pub use point::RecoveryPoint;
+
+mod error;
+pub use error::ConfigError;
 
 pub mod memory;
 
@@ -646,7 +651,7 @@ pub(crate) fn test_backend_url(var: &str) -> Option<String> {
 pub(crate) async fn equal_nonces_with_different_fingerprints_claim_once(
     store: &dyn IdempotencyStore,
 ) {
-    use crate::record::FIXED_NONCE;
+    use crate::store::record::FIXED_NONCE;
     let id = RecordId::new(
         Some("equal-nonces"),
         &format!("{:?}", std::time::SystemTime::now()),

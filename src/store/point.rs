@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use bytes::{Buf, BufMut, Bytes};
 
-use crate::record::{DecodeError, ScopeId};
+use crate::store::{DecodeError, ScopeId};
 use crate::store::{StoreError, StoreErrorKind};
 
 /// Where an attempt got to: a step name and a few bytes of its own (a payment id, say),

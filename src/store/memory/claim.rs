@@ -7,7 +7,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::{after, Entry, MemoryStore, ENTRY_OVERHEAD};
-use crate::record::{Fingerprint, RecordId, ScopeId, Token};
+use crate::store::record::{Fingerprint, RecordId, ScopeId, Token};
 use crate::store::{Claim, ClaimOutcome, StoreError, StoreErrorKind};
 
 impl MemoryStore {

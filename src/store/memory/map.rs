@@ -13,8 +13,8 @@ use std::sync::{atomic::Ordering, MutexGuard};
 use tokio::time::Instant;
 
 use super::{Entry, IdHash, Inner, Shard, Usage, ENTRY_OVERHEAD};
-use crate::record::{Completion, Record, RecordId, RecordState, ScopeId};
-use crate::recovery::RecoveryPoint;
+use crate::store::record::{Completion, Record, RecordId, RecordState, ScopeId};
+use crate::store::RecoveryPoint;
 use crate::store::{StoreError, StoreErrorKind};
 
 // A poisoned lock only means a panic elsewhere while holding it; every mutation below

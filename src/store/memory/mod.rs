@@ -28,8 +28,8 @@ use bytes::Bytes;
 use tokio::time::Instant;
 
 use super::{ClaimOutcome, ClaimRequest, IdempotencyStore, StoreError, StoreErrorKind};
-use crate::record::{Completion, Fingerprint, Record, RecordId, ScopeId, Token};
-use crate::recovery::RecoveryPoint;
+use crate::store::record::{Completion, Fingerprint, Record, RecordId, ScopeId, Token};
+use crate::store::RecoveryPoint;
 
 mod claim;
 mod expiry;

@@ -212,7 +212,7 @@ async fn a_failed_random_source_fails_the_claim_and_takes_no_slot() {
         .with_max_records(NonZeroUsize::new(1).unwrap())
         .build();
     let id = RecordId::new(None, "k");
-    crate::record::FAIL_RANDOM.with(|f| f.set(true));
+    crate::store::record::FAIL_RANDOM.with(|f| f.set(true));
     let r = store
         .claim(&ClaimRequest::new(
             &id,
@@ -221,7 +221,7 @@ async fn a_failed_random_source_fails_the_claim_and_takes_no_slot() {
             Duration::from_secs(1),
         ))
         .await;
-    crate::record::FAIL_RANDOM.with(|f| f.set(false));
+    crate::store::record::FAIL_RANDOM.with(|f| f.set(false));
     assert_eq!(r.unwrap_err().kind(), StoreErrorKind::Unavailable);
     assert!(store.is_empty());
     assert!(matches!(

@@ -370,9 +370,9 @@ pub use sweep::SweeperHandle;
 
 use deadpool_postgres::Pool;
 
-use crate::error::ConfigError;
 #[cfg(doc)]
-use crate::record::Completion;
+use crate::store::record::Completion;
+use crate::store::ConfigError;
 #[cfg(doc)]
 use crate::store::StoreErrorKind;
 use setup::Owned;
@@ -575,7 +575,7 @@ impl PostgresStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::record::{Fingerprint, RecordId};
+    use crate::store::record::{Fingerprint, RecordId};
     use crate::store::{ClaimRequest, IdempotencyStore, StoreErrorKind};
 
     /// The recipe the schema docs give, step by step, against the code's.
@@ -655,7 +655,7 @@ mod tests {
         let store = PostgresStore::new(pool);
         let id = RecordId::new(None, "k");
         let fp = Fingerprint::from_bytes([1; 32]);
-        crate::record::FAIL_RANDOM.with(|f| f.set(true));
+        crate::store::record::FAIL_RANDOM.with(|f| f.set(true));
         let r = store
             .claim(&ClaimRequest::new(
                 &id,
@@ -664,7 +664,7 @@ mod tests {
                 Duration::from_secs(1),
             ))
             .await;
-        crate::record::FAIL_RANDOM.with(|f| f.set(false));
+        crate::store::record::FAIL_RANDOM.with(|f| f.set(false));
         let e = r.unwrap_err();
         assert_eq!(e.kind(), StoreErrorKind::Unavailable);
         let cause = std::error::Error::source(&e).unwrap().to_string();

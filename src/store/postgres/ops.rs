@@ -13,8 +13,8 @@ use super::rows::{
     ClaimRead, CompleteParams, CorruptRow, IN_PROGRESS,
 };
 use super::PostgresStore;
-use crate::record::{Completion, Fingerprint, Record, RecordId, ScopeId, Token};
-use crate::recovery::RecoveryPoint;
+use crate::store::record::{Completion, Fingerprint, Record, RecordId, ScopeId, Token};
+use crate::store::RecoveryPoint;
 use crate::store::{
     ClaimOutcome, ClaimRequest, IdempotencyAdmin, IdempotencyStore, RecordInfo, Removal,
     StoreError, StoreErrorKind,
@@ -320,7 +320,7 @@ mod tests {
     use http::{HeaderMap, StatusCode};
 
     use super::PostgresStore;
-    use crate::record::{Completion, Fingerprint, RecordId, StoredResponse};
+    use crate::store::record::{Completion, Fingerprint, RecordId, StoredResponse};
     use crate::store::{ClaimOutcome, ClaimRequest, IdempotencyStore};
 
     const TTL: Duration = Duration::from_secs(60);

@@ -16,7 +16,7 @@ use tokio_postgres::Row;
 use super::rows::{column, token_params};
 use super::setup::Tls;
 use super::PostgresStore;
-use crate::record::{RecordId, Token};
+use crate::store::record::{RecordId, Token};
 use crate::store::{StoreError, StoreErrorKind};
 
 // How one operation spends its budget T (`with_timeout`, 5 s by default):

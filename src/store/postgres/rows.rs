@@ -10,11 +10,11 @@ use http::{HeaderMap, StatusCode};
 use tokio_postgres::types::{FromSql, Kind, ToSql, Type};
 use tokio_postgres::Row;
 
-use crate::record::{
+use crate::store::record::{
     get_headers, get_vary, put_headers, put_vary, Completion, Fingerprint, Record, RecordId,
     RecordState, StoredResponse, Token, VaryGuard,
 };
-use crate::recovery::RecoveryPoint;
+use crate::store::RecoveryPoint;
 use crate::store::{Claim, ClaimOutcome, StoreError, StoreErrorKind};
 
 /// Leases and TTLs reach SQL as whole microseconds, capped at 100 years (3.2e15 µs):
@@ -88,7 +88,7 @@ fn decode_response_headers(bytes: Vec<u8>) -> Result<(HeaderMap, Option<VaryGuar
     match buf.first() {
         Some(&HEADERS_FORMAT) => {
             let mut headers = decode_headers(buf.to_vec())?;
-            let vary = crate::recording::legacy_vary_guard(&mut headers);
+            let vary = crate::store::record::legacy_vary_guard(&mut headers);
             Ok((headers, vary))
         }
         Some(&HEADERS_WITH_GUARD_FORMAT) => {

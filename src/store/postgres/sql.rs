@@ -2,7 +2,7 @@
 
 use sha2::{Digest, Sha256};
 
-use crate::error::ConfigError;
+use crate::store::ConfigError;
 
 /// Postgres truncates identifiers to 63 bytes. The longest name made from the table's is the
 /// index `<table>_expires_at_idx` (15 more bytes), so table names stop at 48 to keep two

@@ -7,7 +7,7 @@ use redis::Value;
 
 use super::error::{corrupt, Failure};
 use super::{record, RedisStore};
-use crate::record::RecordId;
+use crate::store::record::RecordId;
 use crate::store::{IdempotencyAdmin, RecordInfo, Removal, StoreError, StoreErrorKind};
 
 impl RedisStore {

@@ -34,8 +34,8 @@ use bytes::Bytes;
 use redis::Value;
 
 use super::error::corrupt;
-use crate::record::{Completion, Fingerprint, Record, RecordState, Token};
-use crate::recovery::RecoveryPoint;
+use crate::store::record::{Completion, Fingerprint, Record, RecordState, Token};
+use crate::store::RecoveryPoint;
 use crate::store::StoreError;
 
 /// Format byte of a record outside any quota.
@@ -339,7 +339,7 @@ mod tests {
         let point = RecoveryPoint::new(
             "charged",
             Bytes::from_static(b"pay_1"),
-            crate::record::ScopeId::new(Some("shop")),
+            crate::store::record::ScopeId::new(Some("shop")),
             1,
         )
         .unwrap();

@@ -11,8 +11,8 @@ use redis::Value;
 
 use super::error::{corrupt, fenced, Failure};
 use super::{record, Keys, RedisStore};
-use crate::record::{Record, RecordId, RecordState, Token};
-use crate::recovery::RecoveryPoint;
+use crate::store::record::{Record, RecordId, RecordState, Token};
+use crate::store::RecoveryPoint;
 use crate::store::{StoreError, StoreErrorKind};
 
 /// The most index entries one sweep reads records for, whatever the limit: a sweep is a

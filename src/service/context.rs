@@ -9,8 +9,8 @@ use http::{HeaderMap, Response};
 use sha2::{Digest, Sha256};
 
 use crate::config::Config;
-use crate::record::{hex, Completion, Fingerprint, RecordId, ScopeId, Token};
-use crate::recovery::RecoveryPoint;
+use crate::store::record::{hex, Completion, Fingerprint, RecordId, ScopeId, Token};
+use crate::store::RecoveryPoint;
 use crate::store::{StoreError, StoreErrorKind};
 
 /// Put into the inner request's extensions for every keyed request the layer runs.
@@ -109,7 +109,7 @@ impl IdempotencyContext {
         let store = &self.config.store;
         let timeout = self.config.timing.store_timeout();
         // No timer for a call that is done at its first poll (an in-memory store).
-        match crate::service::within_for(
+        match super::within_for(
             timeout,
             store.save_recovery_point(&self.record_id, &self.token, &point),
         )
