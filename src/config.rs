@@ -306,10 +306,13 @@ impl Config {
             .then(|| http::HeaderValue::from(self.timing.ttl().as_secs()));
     }
 
-    /// The response headers (or trailers) a record keeps: the one rule for both protocols,
-    /// for the layer and for handlers that record their own answer.
-    pub(crate) fn recorded_headers(&self, headers: &http::HeaderMap) -> http::HeaderMap {
-        crate::response::recorded_headers(headers, &self.unrecorded_headers)
+    /// The settings recording reads.
+    pub(crate) fn recording(&self) -> crate::recording::Rules<'_> {
+        crate::recording::Rules {
+            max_response_body: self.max_response_body,
+            unrecorded_headers: &self.unrecorded_headers,
+            vary_match: self.vary_match,
+        }
     }
 }
 

@@ -329,7 +329,7 @@ impl IdempotencyLayer {
     /// # use tower_idempotency::{store::MemoryStore, IdempotencyLayer};
     /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_abandoned_hook(|a| {
     ///     tracing::warn!(
-    ///         record = %a.record.to_hex(),
+    ///         record = %&a.record.to_hex()[..16],
     ///         old = a.old_generation,
     ///         new = a.new_generation,
     ///         "idempotency key abandoned by a previous attempt; reconcile"

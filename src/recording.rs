@@ -4,13 +4,29 @@
 //! deny-list keeps, the Vary guard, and the caps checked on exactly what is stored.
 
 use bytes::Bytes;
-use http::{HeaderMap, StatusCode};
+use http::{HeaderMap, HeaderName, StatusCode};
 use sha2::{Digest, Sha256};
 
-use crate::config::Config;
 use crate::store::record::{names_vary, vary_names};
 use crate::store::record::{Completion, StoredResponse, VaryGuard};
 use crate::store::{StoreError, StoreErrorKind};
+
+/// What recording needs of the layer's settings, lent by `Config::recording`: this floor
+/// reads the settings without importing the configuration above it.
+#[derive(Clone, Copy)]
+pub(crate) struct Rules<'a> {
+    pub(crate) max_response_body: usize,
+    pub(crate) unrecorded_headers: &'a [HeaderName],
+    pub(crate) vary_match: bool,
+}
+
+impl Rules<'_> {
+    /// The response headers (or trailers) a record keeps: the one rule for both protocols,
+    /// for the layer and for handlers that record their own answer.
+    fn recorded_headers(&self, headers: &HeaderMap) -> HeaderMap {
+        crate::response::recorded_headers(headers, self.unrecorded_headers)
+    }
+}
 
 /// The completion to store for an answer recorded by a handler or the recovery worker.
 /// `request` is the recording request's headers when Vary matching is on, and `None` where
@@ -19,7 +35,7 @@ use crate::store::{StoreError, StoreErrorKind};
 /// layer's own recording ([`completion_taking`]) always has the request's headers when
 /// Vary matching is on, so the refusal cannot apply there.
 pub(crate) fn completion(
-    cfg: &Config,
+    cfg: Rules<'_>,
     request: Option<&HeaderMap>,
     status: StatusCode,
     headers: &HeaderMap,
@@ -41,7 +57,7 @@ pub(crate) fn completion(
 /// record's caps, is a tombstone: it is never run twice, and never stored in a form that
 /// cannot be read back.
 fn build(
-    cfg: &Config,
+    cfg: Rules<'_>,
     request: Option<&HeaderMap>,
     status: StatusCode,
     headers: &HeaderMap,
@@ -61,7 +77,7 @@ fn build(
 /// The answer as recorded, or a tombstone's `Err` with `headers` handed back when the whole
 /// record would not fit.
 fn fitted(
-    cfg: &Config,
+    cfg: Rules<'_>,
     status: StatusCode,
     headers: HeaderMap,
     body: Bytes,
@@ -86,7 +102,7 @@ fn fitted(
 /// keeps every one of them they move into the completion instead of being copied (no map
 /// built per record), and `headers` is left empty for [`give_back`] once it is stored.
 pub(crate) fn completion_taking(
-    cfg: &Config,
+    cfg: Rules<'_>,
     request: Option<&HeaderMap>,
     status: StatusCode,
     headers: &mut HeaderMap,
@@ -95,7 +111,7 @@ pub(crate) fn completion_taking(
 ) -> Completion {
     let all_kept = headers
         .keys()
-        .all(|n| crate::response::is_recorded(n, &cfg.unrecorded_headers));
+        .all(|n| crate::response::is_recorded(n, cfg.unrecorded_headers));
     if !all_kept || body.len() > cfg.max_response_body {
         return build(cfg, request, status, headers, body, trailers);
     }
@@ -166,7 +182,7 @@ mod tests {
     use http::{HeaderName, HeaderValue};
     use proptest::prelude::*;
 
-    fn config(unrecorded: &[&str], vary_match: bool) -> std::sync::Arc<Config> {
+    fn config(unrecorded: &[&str], vary_match: bool) -> std::sync::Arc<crate::config::Config> {
         let mut layer = crate::IdempotencyLayer::new(crate::store::MemoryStore::new())
             .with_max_response_body(std::num::NonZeroUsize::new(1 << 16).unwrap());
         for name in unrecorded {
@@ -203,7 +219,7 @@ mod tests {
         let cfg = config(&["vary"], true);
         let alice = request("Bearer alice");
         let c = build(
-            &cfg,
+            cfg.recording(),
             Some(&alice),
             StatusCode::CREATED,
             &answer_varying_on_authorization(),
@@ -228,7 +244,7 @@ mod tests {
         }
         assert_eq!(headers.len(), MAX_RECORDED_FIELDS);
         let c = build(
-            &cfg,
+            cfg.recording(),
             Some(&request("Bearer alice")),
             StatusCode::OK,
             &headers,
@@ -245,7 +261,15 @@ mod tests {
         let cfg = config(&[], true);
         let answer = answer_varying_on_authorization();
         let body = Bytes::from_static(b"alice's statement");
-        let e = completion(&cfg, None, StatusCode::OK, &answer, body.clone(), None).unwrap_err();
+        let e = completion(
+            cfg.recording(),
+            None,
+            StatusCode::OK,
+            &answer,
+            body.clone(),
+            None,
+        )
+        .unwrap_err();
         assert_eq!(e.kind(), StoreErrorKind::Unguarded);
         assert!(
             std::error::Error::source(&e)
@@ -258,7 +282,7 @@ mod tests {
         // asked for; an answer without Vary needs none.
         let alice = request("Bearer alice");
         let guarded = completion(
-            &cfg,
+            cfg.recording(),
             Some(&alice),
             StatusCode::OK,
             &answer,
@@ -267,8 +291,24 @@ mod tests {
         );
         assert!(matches!(guarded, Ok(Completion::Response(r)) if r.vary.is_some()));
         let off = config(&[], false);
-        assert!(completion(&off, None, StatusCode::OK, &answer, body.clone(), None).is_ok());
-        assert!(completion(&cfg, None, StatusCode::OK, &HeaderMap::new(), body, None).is_ok());
+        assert!(completion(
+            off.recording(),
+            None,
+            StatusCode::OK,
+            &answer,
+            body.clone(),
+            None
+        )
+        .is_ok());
+        assert!(completion(
+            cfg.recording(),
+            None,
+            StatusCode::OK,
+            &HeaderMap::new(),
+            body,
+            None
+        )
+        .is_ok());
     }
 
     #[test]
@@ -281,7 +321,14 @@ mod tests {
                 HeaderValue::from_static("v"),
             );
         }
-        let big = build(&cfg, None, StatusCode::OK, &many, Bytes::new(), None);
+        let big = build(
+            cfg.recording(),
+            None,
+            StatusCode::OK,
+            &many,
+            Bytes::new(),
+            None,
+        );
         assert_eq!(
             big,
             Completion::Tombstone {
@@ -289,7 +336,14 @@ mod tests {
             }
         );
         let body = Bytes::from(vec![0u8; (1 << 16) + 1]);
-        let c = build(&cfg, None, StatusCode::OK, &HeaderMap::new(), body, None);
+        let c = build(
+            cfg.recording(),
+            None,
+            StatusCode::OK,
+            &HeaderMap::new(),
+            body,
+            None,
+        );
         assert_eq!(
             c,
             Completion::Tombstone {
@@ -367,7 +421,7 @@ mod tests {
         ) {
             let cfg = config(if unrecorded_vary { &["vary"] } else { &[] }, vary_match);
             let request = vary_match.then_some(&request);
-            let c = build(&cfg, request, StatusCode::OK, &headers, Bytes::from(vec![7; body_len]), trailers.as_ref());
+            let c = build(cfg.recording(), request, StatusCode::OK, &headers, Bytes::from(vec![7; body_len]), trailers.as_ref());
             match &c {
                 Completion::Tombstone { status } => prop_assert_eq!(*status, StatusCode::OK),
                 Completion::Response(_) => {

@@ -427,7 +427,7 @@ where
         // the function recorded itself too: it must not have stored one either.
         let completion = match read {
             Some((body, trailers)) => crate::recording::completion(
-                cfg,
+                cfg.recording(),
                 None,
                 parts.status,
                 &parts.headers,

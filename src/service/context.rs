@@ -151,7 +151,7 @@ impl IdempotencyContext {
     /// retry, which has the headers.
     pub fn completion(&self, response: &Response<Bytes>) -> Result<Completion, StoreError> {
         crate::recording::completion(
-            &self.config,
+            self.config.recording(),
             self.request_headers.as_deref(),
             response.status(),
             response.headers(),

@@ -821,7 +821,7 @@ impl Keyed {
                 let settlement = Settlement::of(decision, || {
                     // The headers may move into the record, and come back once it is stored.
                     let completion = crate::recording::completion_taking(
-                        cfg,
+                        cfg.recording(),
                         request_headers,
                         parts.status,
                         &mut parts.headers,

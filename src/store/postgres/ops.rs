@@ -185,7 +185,7 @@ impl IdempotencyStore for PostgresStore {
                 Ok(record) => found.push((id, record)),
                 // One bad row must not stop every sweep: left for an operator.
                 Err(e) if e.kind() == StoreErrorKind::Corrupt => {
-                    tracing::warn!(record = %id.to_hex(), error = %e, "corrupt record among the recoverable, skipped");
+                    tracing::warn!(record = %&id.to_hex()[..16], error = %e, "corrupt record among the recoverable, skipped");
                 }
                 Err(e) => return Err(e),
             }

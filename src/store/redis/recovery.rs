@@ -98,7 +98,7 @@ impl RedisStore {
                 Ok(r) => r,
                 Err(Failure::Certain(e)) if e.kind() == StoreErrorKind::Corrupt => {
                     // One bad record must not stop every sweep: left for an operator.
-                    tracing::warn!(record = %id.to_hex(), error = %e, "corrupt record in the recovery index, skipped");
+                    tracing::warn!(record = %&id.to_hex()[..16], error = %e, "corrupt record in the recovery index, skipped");
                     continue;
                 }
                 Err(f) => return Err(f.into_error()),
