@@ -772,7 +772,9 @@ async fn a_dropped_handle_does_not_stop_the_worker(store: Arc<dyn AdminStore>) {
     let key = unique("dropped-handle");
     die_at(&svc, &p, &key, Stall::Created).await;
     let id = record_id(&key);
-    let deadline = tokio::time::Instant::now() + LAPSE * 4;
+    // Generous: a worker that runs finishes within a lease and a sweep, and one that
+    // stopped never does; the margin is for a loaded machine (other tests pause Redis).
+    let deadline = tokio::time::Instant::now() + LAPSE + Duration::from_secs(30);
     loop {
         let record = store.get(&id).await.unwrap().unwrap();
         if matches!(record.state, RecordState::Completed(_)) {
