@@ -46,6 +46,8 @@ use http::{HeaderMap, HeaderValue, StatusCode};
 mod claims;
 mod faults;
 mod fencing;
+mod history;
+mod model;
 mod operator;
 mod recovery;
 mod retention;
@@ -63,6 +65,9 @@ pub use fencing::{
     forged_extend_leaves_the_lease_unchanged, lapsed_lease_is_taken_over_with_a_greater_generation,
     releasing_a_takeover_keeps_the_keys_history, stale_tokens_change_nothing,
 };
+#[doc(hidden)]
+pub use history::__histories;
+pub use history::{run_histories, HistoryConfig, HistoryFailure, HistoryReport, HistoryStore};
 pub use operator::{inspect_shows_the_recovery_point, operator_api_inspects_releases_and_deletes};
 pub use recovery::{
     recoverable_lists_lapsed_records_with_a_point,
@@ -136,7 +141,10 @@ fn assert_fenced<T: std::fmt::Debug>(r: Result<T, crate::store::StoreError>, wha
 }
 
 /// Runs every check at once, each on a fresh store from `new_store`, and the full-store
-/// check when `full` yields a store small enough to fill. Panics on the first violation.
+/// check when `full` yields a store small enough to fill; meanwhile, the model-based
+/// histories ([`run_histories`] at [`HistoryConfig::ci`]'s budget, with recovery points when
+/// the store keeps them). Panics on the first violation, with the minimal failing history
+/// when a history broke the contract.
 ///
 /// Needs a multi-threaded Tokio runtime (the concurrency checks spawn tasks).
 pub async fn run_all<F, Fut>(new_store: F, full: Option<DynStore>)
@@ -163,6 +171,8 @@ where
             tokio::spawn(check(store)),
         ));
     }
+    // While the single-step checks wait out their leases and TTLs.
+    let histories = run_histories(&new_store, HistoryConfig::ci()).await;
     for (name, task) in running {
         if let Err(e) = task.await {
             match e.try_into_panic() {
@@ -174,12 +184,17 @@ where
             }
         }
     }
+    match histories {
+        Ok(report) => eprintln!("{report}"),
+        Err(failure) => panic!("{failure}"),
+    }
 }
 
 /// Runs the [recovery-point](crate::RecoveryPoint) checks at once, each on a fresh store
 /// from `new_store`: for a store that implements
 /// [`save_recovery_point`](IdempotencyStore::save_recovery_point) and
-/// [`recoverable`](IdempotencyStore::recoverable). Panics on the first violation.
+/// [`recoverable`](IdempotencyStore::recoverable); then the model-based histories with
+/// recovery points required ([`run_histories`]). Panics on the first violation.
 pub async fn run_recovery<F, Fut>(new_store: F)
 where
     F: Fn() -> Fut,
@@ -200,6 +215,10 @@ where
                 Err(e) => panic!("conformance check `{name}` did not finish: {e}"),
             }
         }
+    }
+    match run_histories(&new_store, HistoryConfig::ci().require_recovery_points()).await {
+        Ok(report) => eprintln!("{report}"),
+        Err(failure) => panic!("{failure}"),
     }
 }
 
@@ -253,9 +272,15 @@ macro_rules! __conformance_checks {
 /// when given, yields `Option<DynAdminStore>` (a store with the operator API); `recovery`,
 /// when given, yields `Option<DynStore>` for a store that keeps
 /// [recovery points](crate::RecoveryPoint), and runs their checks.
+///
+/// It also generates `histories_hold_against_the_model`: the model-based histories
+/// ([`run_histories`](crate::conformance::run_histories)), on the `admin` store when given
+/// (with operator calls) or else on `store`, with recovery points required when `recovery`
+/// is given. `IDEMPOTENCY_HISTORIES` and `IDEMPOTENCY_HISTORY_SEED` lengthen or replay it.
 #[macro_export]
 macro_rules! conformance_suite {
     (store: $store:expr $(, full: $full:expr)? $(, admin: $admin:expr)? $(, recovery: $recovery:expr)? $(,)?) => {
+        $crate::conformance_suite!(@histories [$store] [$($admin)?] [$($recovery)?]);
         $crate::__conformance_checks!([$crate::conformance_suite] @test $store;);
         $(
             $crate::conformance_suite!(@test $full; full_store_refuses_claims_and_keeps_records,);
@@ -269,6 +294,24 @@ macro_rules! conformance_suite {
         $(
             $crate::__conformance_recovery_checks!([$crate::conformance_suite] @test $recovery;);
         )?
+    };
+    (@histories [$store:expr] [] []) => {
+        $crate::conformance_suite!(@history_test $store, false);
+    };
+    (@histories [$store:expr] [] [$recovery:expr]) => {
+        $crate::conformance_suite!(@history_test $store, true);
+    };
+    (@histories [$store:expr] [$admin:expr] []) => {
+        $crate::conformance_suite!(@history_test $admin, false);
+    };
+    (@histories [$store:expr] [$admin:expr] [$recovery:expr]) => {
+        $crate::conformance_suite!(@history_test $admin, true);
+    };
+    (@history_test $store:expr, $points:expr) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn histories_hold_against_the_model() {
+            $crate::conformance::__histories($store.await, $points).await;
+        }
     };
     (@test $store:expr; $($name:ident,)*) => {
         $(

@@ -9,6 +9,8 @@
 mod support;
 
 #[cfg(feature = "conformance")]
+mod conformance_rejects;
+#[cfg(feature = "conformance")]
 mod memory_store;
 #[cfg(feature = "postgres")]
 mod postgres_layer;
