@@ -9,6 +9,7 @@
 mod support;
 
 mod faults;
+mod histories;
 #[cfg(all(feature = "redis", feature = "postgres"))]
 mod processes;
 #[cfg(all(feature = "redis", feature = "postgres"))]
