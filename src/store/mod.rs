@@ -13,7 +13,8 @@
 //!
 //! # Guarantees every store gives
 //!
-//! The conformance suite in `tests/conformance` checks each of these against every store.
+//! The [conformance suite](crate::conformance) (feature `conformance`) checks each of these
+//! against every store.
 //!
 //! 1. Among any number of concurrent claims of an absent key, exactly one is `Claimed`.
 //! 2. A claim of an in-progress record whose lease has lapsed, with the same fingerprint,
@@ -43,6 +44,13 @@
 //!     `extend`; the next claim of the same request takes over (generation + 1, `takeover`,
 //!     `lapsed_for` counted from the release), so the abandoned attempt is still reported;
 //!     another request gets `Existing`.
+//! 11. These hold over any history, not only one step back: a token 2 or 3 generations
+//!     behind is fenced as one is, a released takeover's point stays dropped, a third
+//!     attempt's release keeps the key's history. The conformance suite's
+//!     [`run_histories`](crate::conformance::run_histories) (run by `run_all`, `run_recovery`
+//!     and `conformance_suite!`) checks random histories of calls, lost replies, timeouts,
+//!     lapses, concurrent claims and operator calls against a model of this contract
+//!     (`src/conformance/model.rs`), and prints a failing one shrunk to its minimal form.
 //!
 //! # Implementing a custom store
 //!
