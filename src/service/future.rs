@@ -3,6 +3,7 @@
 use std::cell::Cell;
 use std::fmt;
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
@@ -40,10 +41,20 @@ impl<B: Body, E> Flow<B, E> {
     fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Answer<B, E>> {
         let future = self.future.as_mut().expect("polled after completion");
         let outer = COMMITTED.with(|c| c.replace(false));
-        let out = future.as_mut().poll(cx);
+        // A handler's panic is resumed here once its key is settled: the flow is spent then.
+        // Caught for a moment, so the outer flag is restored and the drop detaches nothing
+        // (a spent future polled again on a task would panic a second time).
+        let out = std::panic::catch_unwind(AssertUnwindSafe(|| future.as_mut().poll(cx)));
         if COMMITTED.with(|c| c.replace(outer)) {
             self.committed = true;
         }
+        let out = match out {
+            Ok(out) => out,
+            Err(panic) => {
+                self.future = None;
+                std::panic::resume_unwind(panic)
+            }
+        };
         if out.is_ready() {
             self.future = None;
         }

@@ -11,5 +11,6 @@ mod fingerprint;
 mod grpc;
 mod key_sources;
 mod layer;
+mod panics;
 mod recovery_faults;
 mod vary;
