@@ -319,6 +319,14 @@ where
     while let Some((history_seed, steps, outcome)) = results.next().await {
         if outcome.failure.is_none() {
             passed += 1;
+            // A long run says how far it got.
+            if config.histories >= 20_000 && passed % 10_000 == 0 {
+                eprintln!(
+                    "{passed} of {} histories passed on store `{name}` in {:.1?}",
+                    config.histories,
+                    started.elapsed()
+                );
+            }
             continue;
         }
         drop(results);

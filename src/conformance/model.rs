@@ -479,7 +479,7 @@ impl KeyState {
             (Call::Get, KeyState::InProgress(h)) => keep(Expect::Got(Some(h.view(w)))),
             (Call::Get, KeyState::Completed(d)) => keep(Expect::Got(Some(d.view()))),
 
-            (Call::ForceRelease, KeyState::Absent) | (Call::Delete, KeyState::Absent) => {
+            (Call::ForceRelease | Call::Delete, KeyState::Absent) => {
                 keep(Expect::Removal(Removal::Absent))
             }
             (Call::ForceRelease, KeyState::InProgress(_))
