@@ -176,12 +176,16 @@ impl InProgress {
 
     /// The `Retry-After` of a 409 in-progress answer (gRPC: the `RetryInfo` delay), including
     /// the one a wait that ran out gets: `max`, or the rest of the lease when that is shorter
-    /// (default 1 s, whatever the lease). The header is in whole seconds, rounded up.
+    /// (default 1 s, whatever the lease). `Retry-After` is in whole seconds, rounded up.
     ///
     /// The hint should fit the work, not the lease: a duplicate that arrives just after the
     /// first request would otherwise wait out most of a 30 s lease for a handler that takes
     /// a few hundred milliseconds. Raise it for handlers that take longer (each early retry
     /// costs a 409); [`wait`](Self::wait) avoids the round trips altogether.
+    ///
+    /// `retry-after-ms` carries the same hint to the millisecond (at least 1), for clients
+    /// that read it first, as Stainless-generated SDKs do; gRPC answers carry it as
+    /// `grpc-retry-pushback-ms`, read by clients with a retry policy for `ABORTED`.
     pub fn retry_after(mut self, max: Duration) -> Self {
         self.retry_after = max;
         self
@@ -209,16 +213,29 @@ impl Default for InProgress {
 ///     .with_store_failure(StoreFailure::closed().open_on_quota(true));
 /// # drop(layer);
 /// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[must_use]
 pub struct StoreFailure {
     pub(crate) open_on_error: bool,
     pub(crate) open_on_quota: bool,
+    pub(crate) quota_retry_after: Duration,
+}
+
+impl Default for StoreFailure {
+    fn default() -> Self {
+        Self {
+            open_on_error: false,
+            open_on_quota: false,
+            quota_retry_after: Duration::from_secs(60),
+        }
+    }
 }
 
 impl StoreFailure {
-    /// Fail closed (the default): a store error is answered 503 (gRPC `UNAVAILABLE`) and a
-    /// scope over its quota 429 (gRPC `RESOURCE_EXHAUSTED`); nothing runs unprotected.
+    /// Fail closed (the default): a store error is answered 503 (gRPC `UNAVAILABLE`) with
+    /// `Retry-After: 1` and `retry-after-ms: 1000`, and a scope over its quota 429 (gRPC
+    /// `RESOURCE_EXHAUSTED`) with the [`quota_retry_after`](Self::quota_retry_after) hint;
+    /// nothing runs unprotected.
     pub fn closed() -> Self {
         Self::default()
     }
@@ -239,6 +256,25 @@ impl StoreFailure {
     /// `RESOURCE_EXHAUSTED`). Other scopes are unaffected either way.
     pub fn open_on_quota(mut self, open: bool) -> Self {
         self.open_on_quota = open;
+        self
+    }
+
+    /// The `Retry-After` (and `retry-after-ms`) of the `429` quota answer: `after`, or the
+    /// layer's retention TTL when that is shorter (default 60 s).
+    ///
+    /// A hint, not a measure: a scope's quota frees when one of its records expires or is
+    /// released, and neither the layer nor the store knows when the next one will (the store
+    /// answers a claim over quota without reading the scope's records). The TTL is the only
+    /// bound the layer knows: every record the scope holds now is gone one TTL from now,
+    /// unless it claims more. A scope that fills its quota is usually a client making a new
+    /// key per attempt, and a minute keeps it from retrying in a loop; lower it where scopes
+    /// turn their records over quickly (a short TTL does that by itself). Clients that cap
+    /// the hints they follow (Stainless SDKs up to 60 s, the crate's own client layer up to
+    /// its `with_max_retry_after`, 60 s by default) do not wait out a longer one. gRPC
+    /// answers carry no hint: gRPC clients retry `RESOURCE_EXHAUSTED` only under a retry
+    /// policy of their own.
+    pub fn quota_retry_after(mut self, after: Duration) -> Self {
+        self.quota_retry_after = after;
         self
     }
 }
@@ -294,6 +330,8 @@ pub(crate) struct Config {
     pub(crate) ttl_value: Option<http::HeaderValue>,
     /// Whether a recorded answer's `Vary` headers must match on replay.
     pub(crate) vary_match: bool,
+    /// Echo the request's key on every answer to it.
+    pub(crate) key_echo: bool,
 }
 
 pub(crate) type AbandonedFn = Arc<dyn Fn(&crate::Abandoned) + Send + Sync>;

@@ -5,11 +5,12 @@ use std::fmt;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::{request, HeaderMap, HeaderName};
+use http::header::CONTENT_TYPE;
+use http::{request, HeaderMap, HeaderName, HeaderValue};
 use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 
 use crate::error::ConfigError;
-use crate::fingerprint::JsonPointer;
+use crate::fingerprint::{form, JsonPointer};
 
 /// The longest key accepted, in characters (after sf-string unquoting).
 pub(crate) const MAX_KEY_LEN: usize = 255;
@@ -22,6 +23,8 @@ type KeyFn = Arc<dyn Fn(&request::Parts, &Bytes) -> Option<String> + Send + Sync
 /// - [`Key::header`]: a request header (the default is the `Idempotency-Key` header). Read
 ///   before the body: a request without it is refused before anything is buffered.
 /// - [`Key::json_pointer`]: a field of the JSON body (a webhook's event id, `/id`).
+/// - [`Key::form_field`]: a field of an `application/x-www-form-urlencoded` body (a form
+///   posted by a browser, or a Stripe-style API's `idempotency_key`).
 /// - [`Key::joined`]: several headers and fields, joined unambiguously (Adyen's `eventCode`
 ///   and `pspReference`).
 /// - [`Key::from_fn`]: a function of the request head and the buffered body.
@@ -43,6 +46,8 @@ type KeyFn = Arc<dyn Fn(&request::Parts, &Bytes) -> Option<String> + Send + Sync
 /// let stripe = Key::json_pointer("/id")?;
 /// // GitHub: the delivery id in a header.
 /// let github = Key::header(HeaderName::from_static("x-github-delivery"));
+/// // A form field, as a browser posts it.
+/// let form = Key::form_field("idempotency_key");
 /// // Adyen: two fields of the one notification item.
 /// let item = "/notificationItems/0/NotificationRequestItem";
 /// let adyen = Key::joined([
@@ -50,7 +55,7 @@ type KeyFn = Arc<dyn Fn(&request::Parts, &Bytes) -> Option<String> + Send + Sync
 ///     KeyPart::json_pointer(&format!("{item}/pspReference"))?,
 /// ])?;
 /// let layer = IdempotencyLayer::new(MemoryStore::new()).unscoped().with_key(stripe);
-/// # drop((layer, github, adyen));
+/// # drop((layer, github, form, adyen));
 /// # Ok(())
 /// # }
 /// ```
@@ -69,7 +74,7 @@ enum Source {
     Fn(KeyFn),
 }
 
-/// One part of a [`Key::joined`] key: a header or a JSON field.
+/// One part of a [`Key::joined`] key: a header, a JSON field or a form field.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KeyPart(Part);
 
@@ -77,6 +82,7 @@ pub struct KeyPart(Part);
 enum Part {
     Header(HeaderName),
     Pointer { pointer: JsonPointer, text: String },
+    Form(String),
 }
 
 impl KeyPart {
@@ -92,6 +98,11 @@ impl KeyPart {
             pointer: JsonPointer::parse(pointer)?,
             text: pointer.to_owned(),
         }))
+    }
+
+    /// The form field `name` of the body, read as [`Key::form_field`] reads it.
+    pub fn form_field(name: impl Into<String>) -> Self {
+        Self(Part::Form(name.into()))
     }
 }
 
@@ -144,6 +155,21 @@ impl Key {
     /// Refused here: a pointer that does not start with `/` or has a bad `~` escape.
     pub fn json_pointer(pointer: &str) -> Result<Self, ConfigError> {
         Ok(Self::of(Source::One(KeyPart::json_pointer(pointer)?)))
+    }
+
+    /// The key is the field `name` of an `application/x-www-form-urlencoded` body, as
+    /// browsers post forms and Stripe-style APIs take their parameters.
+    ///
+    /// Pairs are split on `&` and `=`, and names and values decoded as the form encoding
+    /// says (`+` is a space, `%XX` a byte), so `idempotency%5Fkey=k%2D1` is the key `k-1`
+    /// in the field `idempotency_key`. The value is the key as it is; it must decode: a bad
+    /// percent-escape in it is refused (`key-invalid`), so that no key has two spellings. A
+    /// field given twice is refused too (`key-invalid`): frameworks disagree on which one
+    /// counts. A field that is absent, and a body of another media type (by its
+    /// `Content-Type`, whose parameters are ignored; none at all included), mean the key is
+    /// missing; the problem names the media type the request had.
+    pub fn form_field(name: impl Into<String>) -> Self {
+        Self::of(Source::One(KeyPart::form_field(name)))
     }
 
     /// The key is made of `parts`, in order, each read and checked as on its own (1 to 255
@@ -202,6 +228,15 @@ impl Key {
             Source::One(p) => p.reads_body(),
             Source::Joined(parts) => parts.iter().any(KeyPart::reads_body),
             Source::Fn(_) => true,
+        }
+    }
+
+    /// The value to echo for `key`, read from `headers`: a key from one header as its field
+    /// was sent, any other as it was read.
+    pub(crate) fn echo(&self, headers: &HeaderMap, key: &str) -> Option<HeaderValue> {
+        match &self.source {
+            Source::One(KeyPart(Part::Header(name))) => headers.get(name).cloned(),
+            _ => HeaderValue::from_str(key).ok(),
         }
     }
 
@@ -265,6 +300,9 @@ impl Key {
                 (PartError::NotJson, _) => Refusal::Missing(format!(
                     "the {noun} {place} is missing: the request body is not JSON"
                 )),
+                (PartError::NotForm(why), _) => {
+                    Refusal::Missing(format!("the {noun} {place} is missing: {why}"))
+                }
                 (PartError::Bad(e), _) => {
                     Refusal::Invalid(format!("the {noun} {place} {}", e.reason()))
                 }
@@ -304,12 +342,14 @@ pub(crate) enum Refusal {
 enum PartError {
     Missing,
     NotJson,
+    /// Why the body is not a form, as the end of a sentence.
+    NotForm(String),
     Bad(KeyError),
 }
 
 impl KeyPart {
     fn reads_body(&self) -> bool {
-        matches!(self.0, Part::Pointer { .. })
+        matches!(self.0, Part::Pointer { .. } | Part::Form(_))
     }
 
     fn place(&self, grpc: bool) -> String {
@@ -317,6 +357,7 @@ impl KeyPart {
             Part::Header(h) if grpc => format!("in the `{h}` metadata entry"),
             Part::Header(h) => format!("in the `{h}` header"),
             Part::Pointer { text, .. } => format!("at JSON pointer `{text}` in the request body"),
+            Part::Form(name) => format!("in form field `{name}` of the request body"),
         }
     }
 
@@ -339,8 +380,52 @@ impl KeyPart {
                     }
                 }
             }
+            Part::Form(name) => {
+                let body = body.expect("a body key is read after buffering");
+                if let Some(why) = not_a_form(headers) {
+                    return Err(PartError::NotForm(why));
+                }
+                match form::field(body, name.as_bytes()) {
+                    form::Field::Absent => Err(PartError::Missing),
+                    form::Field::Repeated => Err(PartError::Bad(KeyError::Repeated)),
+                    form::Field::One(None) => Err(PartError::Bad(KeyError::BadEscape)),
+                    form::Field::One(Some(value)) => check(value).map_err(PartError::Bad),
+                }
+            }
         }
     }
+}
+
+/// The form media type: a body under any other is not read as a form.
+const FORM: &str = "application/x-www-form-urlencoded";
+
+/// Why a request's body is not a form, or `None` when its one `Content-Type` is
+/// [`FORM`] (in any case, with any parameters).
+fn not_a_form(headers: &HeaderMap) -> Option<String> {
+    let mut lines = headers.get_all(CONTENT_TYPE).iter();
+    let Some(line) = lines.next() else {
+        return Some(format!(
+            "the request has no `Content-Type`, where `{FORM}` was expected"
+        ));
+    };
+    if lines.next().is_some() {
+        return Some(format!(
+            "the request has more than one `Content-Type`, where `{FORM}` was expected"
+        ));
+    }
+    let essence = line.as_bytes().split(|&b| b == b';').next().unwrap_or(&[]);
+    let essence = String::from_utf8_lossy(essence.trim_ascii());
+    if essence.eq_ignore_ascii_case(FORM) {
+        return None;
+    }
+    // The client's own words go into the problem: bounded.
+    let shown: String = essence.chars().take(64).collect();
+    let more = if shown.len() < essence.len() {
+        "…"
+    } else {
+        ""
+    };
+    Some(format!("the request body is `{shown}{more}`, not `{FORM}`"))
 }
 
 /// Why a key was refused.
@@ -355,6 +440,10 @@ pub(crate) enum KeyError {
     NotAnId(&'static str),
     /// A JSON member on the pointer's path is named twice.
     Duplicate,
+    /// A form field is given more than once.
+    Repeated,
+    /// A form value with a bad percent-escape.
+    BadEscape,
 }
 
 impl KeyError {
@@ -369,7 +458,10 @@ impl KeyError {
             }
             KeyError::MalformedString => "the idempotency key is not a valid RFC 8941 string",
             KeyError::NotAnId(_) => "the idempotency key is not a string or an integer",
-            KeyError::Duplicate => "the idempotency key appears more than once",
+            KeyError::Duplicate | KeyError::Repeated => {
+                "the idempotency key appears more than once"
+            }
+            KeyError::BadEscape => "the idempotency key has a bad percent-escape",
         }
     }
 
@@ -385,6 +477,13 @@ impl KeyError {
             KeyError::Duplicate => {
                 "is named more than once in the JSON body, and parsers disagree on which counts"
                     .into()
+            }
+            KeyError::Repeated => {
+                "is given more than once in the form body, and frameworks disagree on which counts"
+                    .into()
+            }
+            KeyError::BadEscape => {
+                "is not valid form encoding: a `%` must be followed by two hex digits".into()
             }
         }
     }
@@ -579,7 +678,6 @@ impl<'de> Visitor<'de> for Find<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use http::HeaderValue;
 
     fn key(values: &[&[u8]]) -> Result<Option<String>, KeyError> {
         let mut h = HeaderMap::new();

@@ -86,6 +86,7 @@ impl IdempotencyLayer {
                 ttl_header: false,
                 ttl_value: None,
                 vary_match: true,
+                key_echo: false,
             }),
             waiters: Arc::default(),
         }
@@ -267,15 +268,17 @@ impl IdempotencyLayer {
     }
 
     /// What a request meets when the store fails or its scope is over quota (default
-    /// [`StoreFailure::closed`]: 503 and 429). Failing open runs the request unprotected, so
-    /// a duplicate can run twice; see [`StoreFailure`].
+    /// [`StoreFailure::closed`]: 503 and 429, each with `Retry-After` and `retry-after-ms`),
+    /// and the 429's retry hint ([`StoreFailure::quota_retry_after`]). Failing open runs the
+    /// request unprotected, so a duplicate can run twice; see [`StoreFailure`].
     pub fn with_store_failure(self, policy: StoreFailure) -> Self {
         self.edit(|c| c.store_failure = policy)
     }
 
     /// What a duplicate meets while the first attempt of its key runs: a 409 with
-    /// `Retry-After: 1` ([`InProgress::conflict`], the default), or a wait for the first
-    /// answer, replayed ([`InProgress::wait`]).
+    /// `Retry-After: 1` and `retry-after-ms: 1000` ([`InProgress::conflict`], the default;
+    /// [`InProgress::retry_after`] sets the hint), or a wait for the first answer, replayed
+    /// ([`InProgress::wait`]).
     pub fn with_in_progress(self, in_progress: InProgress) -> Self {
         self.edit(|c| c.in_progress = in_progress)
     }
@@ -355,6 +358,23 @@ impl IdempotencyLayer {
     /// need a store read).
     pub fn with_ttl_header(self, on: bool) -> Self {
         self.edit(|c| c.ttl_header = on)
+    }
+
+    /// Echoes the key on every answer to a keyed request: first runs, replays, and the
+    /// layer's own problems (`409`, `422`, `503`, …) alike carry `Idempotency-Key` with the
+    /// key, so the caller of an SDK that makes keys for it can read back the key of each
+    /// call. Off by default.
+    ///
+    /// A key from a header comes back as its field value was sent (`"abc"` stays quoted); a
+    /// key from the body (or [`Key::joined`], [`Key::from_fn`]) as the layer read it, the key
+    /// [`IdempotencyContext::key`](crate::IdempotencyContext::key) returns. The echo is
+    /// never recorded: a replay carries the retry's own. An answer given before the key is
+    /// known (a `400` for a missing or invalid key, and for a key in the body a `413`, `408`
+    /// or `500` scope-missing before it is read) has none, nor has a request passed through
+    /// without a key. gRPC answers carry it as an `idempotency-key` metadata entry. Browsers
+    /// read it only when CORS exposes it.
+    pub fn with_key_echo(self, on: bool) -> Self {
+        self.edit(|c| c.key_echo = on)
     }
 }
 

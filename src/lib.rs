@@ -193,9 +193,10 @@
 //!   body or claim a key.
 //! - axum's own `Json` extractor also rejects with `422`. Clients tell a reused key from a bad
 //!   body by the problem `type` (`…/problems/#key-reused`), not by the status.
-//! - A `409`'s `Retry-After` is 1 s, whatever the lease: a hint for the work, so a duplicate
-//!   comes back soon after a fast handler finishes. For handlers that take longer, raise it
-//!   with [`InProgress::retry_after`], or let retries wait for the
+//! - A `409`'s `Retry-After` is 1 s (`retry-after-ms: 1000`), whatever the lease: a hint
+//!   for the work, so a duplicate comes back soon after a fast handler finishes. For
+//!   handlers that take longer, raise it with [`InProgress::retry_after`], or let retries
+//!   wait for the
 //!   answer with [`InProgress::wait`] (both through [`IdempotencyLayer::with_in_progress`]).
 //! - Transactional completion ([`RecordDecision::AlreadyRecorded`], the Postgres store's
 //!   `record_in`) should use a connection pool of its own: the store's pool carries every
@@ -246,7 +247,8 @@
 //!
 //! [`store::IdempotencyAdmin`] looks a key up and frees or deletes it by hand; every store
 //! here implements it. [`IdempotencyLayer::with_abandoned_hook`] hears about keys taken over
-//! from a holder that died, and [`IdempotencyLayer::with_ttl_header`] publishes how long keys
+//! from a holder that died, [`IdempotencyLayer::with_key_echo`] sends each answer's key back
+//! to the client, and [`IdempotencyLayer::with_ttl_header`] publishes how long keys
 //! live. The run book (sizing, Redis and Postgres settings, tuning, alerts) is
 //! `docs/operations.md` in the repository.
 //!
@@ -319,33 +321,39 @@ pub use webhook::{Webhook, DEFAULT_WEBHOOK_TTL};
 /// | status | type | when | gRPC status |
 /// |---|---|---|---|
 /// | 400 | [`key-missing`](#key-missing) | a protected request without a key (where it was expected is in `detail`) | `INVALID_ARGUMENT` |
-/// | 400 | [`key-invalid`](#key-invalid) | empty, > 255 characters, not visible ASCII, bad sf-string, or two field lines | `INVALID_ARGUMENT` |
+/// | 400 | [`key-invalid`](#key-invalid) | empty, > 255 characters, not visible ASCII, bad sf-string, or two field lines (a form field: given twice, or a bad percent-escape) | `INVALID_ARGUMENT` |
 /// | 400 | [`body-unreadable`](#body-unreadable) | the request body failed while being read | `INVALID_ARGUMENT` |
 /// | 413 | [`body-too-large`](#body-too-large) | the body exceeds `max_request_body` | `RESOURCE_EXHAUSTED` |
 /// | 408 | [`body-timeout`](#body-timeout) | the body did not arrive within `request_body_timeout` | `DEADLINE_EXCEEDED` |
-/// | 409 | [`in-progress`](#in-progress) | the first request with this key still runs; retry after `Retry-After` (1 s by default). `503` under [`Webhook`] | `ABORTED` |
+/// | 409 | [`in-progress`](#in-progress) | the first request with this key still runs; retry after `Retry-After` (1 s by default), or `retry-after-ms` to the millisecond. `503` under [`Webhook`] | `ABORTED` |
 /// | 422 | [`key-reused`](#key-reused) | the key was used with a different request (body, path, method) | `FAILED_PRECONDITION` |
 /// | 410 | [`response-not-retained`](#response-not-retained) | the original completed, but its response was too large to keep. Under [`Webhook`], not a problem: the original status, empty, with [`REPLAY_OMITTED_HEADER`] | `ALREADY_EXISTS` |
-/// | 429 | [`quota-exceeded`](#quota-exceeded) | the caller's scope holds as many records as the store's per-scope quota allows | `RESOURCE_EXHAUSTED` |
-/// | 503 | [`store-unavailable`](#store-unavailable) | the store failed; nothing ran; `Retry-After: 1` | `UNAVAILABLE` |
+/// | 429 | [`quota-exceeded`](#quota-exceeded) | the caller's scope holds as many records as the store's per-scope quota allows; `Retry-After` and `retry-after-ms` as [`StoreFailure::quota_retry_after`] says (60 s by default, at most the TTL) | `RESOURCE_EXHAUSTED` |
+/// | 503 | [`store-unavailable`](#store-unavailable) | the store failed; nothing ran; `Retry-After: 1`, `retry-after-ms: 1000` | `UNAVAILABLE` |
 /// | 500 | [`scope-missing`](#scope-missing) | no scope configured, or the scope function found none | `INTERNAL` |
 /// | 500 | [`context-missing`](#context-missing) | axum only: a handler takes `IdempotencyContext`, and the layer did not run for the request | — |
 ///
-/// Every problem carries `type`, `title`, `status` and `detail`; `in-progress` and
-/// `store-unavailable` add `retry_after` (seconds), `response-not-retained` adds
-/// `original_status`. All have `Cache-Control: no-store`.
+/// Every problem carries `type`, `title`, `status` and `detail`; `in-progress`,
+/// `quota-exceeded` and `store-unavailable` add `retry_after` (seconds),
+/// `response-not-retained` adds `original_status`. All have `Cache-Control: no-store`.
+/// Those with `retry_after` carry
+/// the same hint as `Retry-After` (whole seconds, rounded up) and as `retry-after-ms` (the
+/// milliseconds the layer means, at least 1), which Stainless-generated SDKs read first.
+/// Under [`IdempotencyLayer::with_key_echo`], every problem given once the key is known
+/// carries it in `Idempotency-Key`.
 ///
 /// # key-missing
 /// Send an `Idempotency-Key` header: a unique value per logical operation (a UUID), reused
 /// unchanged for every retry of that operation. Where the server reads the key from
-/// elsewhere (another header, a field of the JSON body, as webhook receivers do), the
+/// elsewhere (another header, a field of the JSON or form body, as webhook receivers do), the
 /// `detail` names the place, as in "the webhook id at JSON pointer `/id` in the request body
 /// is missing".
 ///
 /// # key-invalid
 /// A key is 1 to 255 visible ASCII characters (`0x21`–`0x7E`), sent once, as a bare token or
 /// an RFC 8941 string (`"abc"` is the key `abc`). A key in the JSON body is a string or an
-/// integer, named once on its path. The `detail` names the key's place and what is wrong.
+/// integer, named once on its path. A key in a form body is given once, and its value
+/// percent-decodes. The `detail` names the key's place and what is wrong.
 ///
 /// # body-unreadable
 /// The connection failed while the body was being read. Nothing was claimed; retry.
@@ -358,7 +366,8 @@ pub use webhook::{Webhook, DEFAULT_WEBHOOK_TTL};
 /// retry.
 ///
 /// # in-progress
-/// Retry after `Retry-After` seconds, with the same key and the same request.
+/// Retry after `Retry-After` seconds (`retry-after-ms` milliseconds), with the same key
+/// and the same request.
 ///
 /// # key-reused
 /// A key names one operation. Use a new key for a new request; do not retry this one.
@@ -369,9 +378,12 @@ pub use webhook::{Webhook, DEFAULT_WEBHOOK_TTL};
 /// # quota-exceeded
 /// Your scope (tenant) holds as many idempotency records as the store allows it. Nothing was
 /// claimed or run. Records expire with the retention TTL; other tenants are not affected.
+/// `Retry-After` is a hint the server configured, not the moment a record expires, which
+/// is not known: see [`StoreFailure::quota_retry_after`].
 ///
 /// # store-unavailable
-/// The request was not processed. Retry after `Retry-After` seconds.
+/// The request was not processed. Retry after `Retry-After` seconds (`retry-after-ms`
+/// milliseconds).
 ///
 /// # scope-missing
 /// A server configuration error: the layer has no scope function (and was not made

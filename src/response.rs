@@ -26,6 +26,21 @@ pub const REPLAY_OMITTED_HEADER: HeaderName = HeaderName::from_static("idempoten
 /// [`with_ttl_header`](crate::IdempotencyLayer::with_ttl_header) is on.
 pub const TTL_HEADER: HeaderName = HeaderName::from_static("idempotency-key-ttl");
 
+/// `retry-after-ms`: the retry hint in milliseconds, beside `Retry-After` in whole seconds.
+/// Not a standard: Stainless-generated SDKs (OpenAI's, Anthropic's, …) read it before
+/// `Retry-After`, and follow it to the millisecond.
+pub(crate) const RETRY_AFTER_MS: HeaderName = HeaderName::from_static("retry-after-ms");
+
+/// gRPC's own retry hint (gRFC A6), read by clients with a retry policy for the status.
+const GRPC_PUSHBACK: HeaderName = HeaderName::from_static("grpc-retry-pushback-ms");
+
+/// The hint in whole milliseconds: rounded up, at least 1 (`0` reads as "no hint" to
+/// Stainless SDKs, and would invite a retry at once).
+fn millis(after: Duration) -> HeaderValue {
+    let ms = after.as_nanos().div_ceil(1_000_000).max(1);
+    HeaderValue::from(u64::try_from(ms).unwrap_or(u64::MAX))
+}
+
 /// Renders an error as RFC 9457 problem+json.
 pub(crate) fn problem(err: &IdempotencyError) -> Response<Bytes> {
     let kind = err.kind();
@@ -52,6 +67,9 @@ pub(crate) fn problem(err: &IdempotencyError) -> Response<Bytes> {
     if let Some(secs) = err.retry_after_secs() {
         h.insert(RETRY_AFTER, HeaderValue::from(secs));
     }
+    if let Some(after) = err.retry_after_duration() {
+        h.insert(RETRY_AFTER_MS, millis(after));
+    }
     res
 }
 
@@ -71,9 +89,17 @@ pub(crate) fn grpc_code(kind: ErrorKind) -> u8 {
 }
 
 /// Renders an error as a gRPC trailers-only response: HTTP 200, status in the headers.
+///
+/// A retry hint goes into the message, a `RetryInfo` detail, `grpc-retry-pushback-ms` and
+/// `Retry-After`, except on the quota answer: its hint is a guess for HTTP clients (see
+/// [`StoreFailure::quota_retry_after`](crate::StoreFailure::quota_retry_after)).
 pub(crate) fn grpc_status(err: &IdempotencyError) -> Response<Bytes> {
+    let after = err
+        .retry_after_duration()
+        .filter(|_| err.kind() != ErrorKind::QuotaExceeded);
+    let secs = after.and(err.retry_after_secs());
     let mut message = err.detail().to_owned();
-    if let Some(secs) = err.retry_after_secs() {
+    if let Some(secs) = secs {
         message = format!("{message}; retry after {secs}s");
     }
     let code = grpc_code(err.kind());
@@ -84,16 +110,24 @@ pub(crate) fn grpc_status(err: &IdempotencyError) -> Response<Bytes> {
     if let Ok(v) = HeaderValue::from_str(&percent_encode(&message)) {
         h.insert("grpc-message", v);
     }
-    if let Some(delay) = err.retry_after_duration() {
+    if let Some(delay) = after {
         let details = status_with_retry_info(code, &message, delay);
         if let Ok(v) = HeaderValue::from_str(&base64(&details)) {
             h.insert("grpc-status-details-bin", v);
         }
+        h.insert(GRPC_PUSHBACK, millis(delay));
     }
-    if let Some(secs) = err.retry_after_secs() {
+    if let Some(secs) = secs {
         h.insert(RETRY_AFTER, HeaderValue::from(secs));
     }
     res
+}
+
+/// `Idempotency-Key` on an answer, when the layer echoes keys
+/// ([`with_key_echo`](crate::IdempotencyLayer::with_key_echo)).
+pub(crate) fn echo_key<B>(res: &mut Response<B>, key: &HeaderValue) {
+    res.headers_mut()
+        .insert(HeaderName::from_static("idempotency-key"), key.clone());
 }
 
 /// A `google.rpc.Status` carrying one `google.rpc.RetryInfo` detail, protobuf-encoded by hand
@@ -271,6 +305,7 @@ mod tests {
         assert_eq!(res.headers()[CONTENT_TYPE], "application/problem+json");
         assert_eq!(res.headers()[CACHE_CONTROL], "no-store");
         assert_eq!(res.headers()[RETRY_AFTER], "3");
+        assert_eq!(res.headers()[RETRY_AFTER_MS], "2500");
         let v: serde_json::Value = serde_json::from_slice(res.body()).unwrap();
         assert_eq!(v["status"], 409);
         assert_eq!(v["type"], ErrorKind::InProgress.type_uri());
@@ -286,6 +321,39 @@ mod tests {
         assert_eq!(res.headers()["grpc-message"], "50%25 diff%C3%A9rent");
         assert!(res.body().is_empty());
         assert!(!res.headers().contains_key("grpc-status-details-bin"));
+        assert!(!res.headers().contains_key(GRPC_PUSHBACK));
+    }
+
+    #[test]
+    fn retry_after_ms_is_the_hint_in_milliseconds_rounded_up_and_at_least_one() {
+        let ms = |d: Duration| millis(d).to_str().unwrap().to_owned();
+        assert_eq!(ms(Duration::from_millis(1500)), "1500");
+        assert_eq!(ms(Duration::from_nanos(1_000_001)), "2");
+        assert_eq!(ms(Duration::ZERO), "1");
+        assert_eq!(ms(Duration::from_secs(60)), "60000");
+        let without = problem(&IdempotencyError::new(ErrorKind::Mismatch, "reused"));
+        assert!(!without.headers().contains_key(RETRY_AFTER_MS));
+        assert!(!without.headers().contains_key(RETRY_AFTER));
+    }
+
+    #[test]
+    fn a_quota_answer_has_a_retry_hint_on_http_and_none_on_grpc() {
+        let err = IdempotencyError::new(ErrorKind::QuotaExceeded, "full")
+            .retry_after(Duration::from_secs(60));
+        let http = problem(&err);
+        assert_eq!(http.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(http.headers()[RETRY_AFTER], "60");
+        assert_eq!(http.headers()[RETRY_AFTER_MS], "60000");
+        let grpc = grpc_status(&err);
+        assert_eq!(grpc.headers()["grpc-status"], "8");
+        assert_eq!(grpc.headers()["grpc-message"], "full");
+        for name in [
+            "grpc-status-details-bin",
+            "grpc-retry-pushback-ms",
+            "retry-after",
+        ] {
+            assert!(!grpc.headers().contains_key(name), "{name}");
+        }
     }
 
     #[test]
@@ -324,6 +392,8 @@ mod tests {
             "still running; retry after 2s"
         );
         assert!(res.headers().contains_key("grpc-status-details-bin"));
+        assert_eq!(res.headers()[GRPC_PUSHBACK], "1500");
+        assert_eq!(res.headers()[RETRY_AFTER], "2");
     }
 
     #[test]

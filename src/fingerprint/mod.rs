@@ -42,7 +42,7 @@
 //! - [`json`]: canonical JSON, its tokens (`string.rs`, `number.rs`), objects and their key
 //!   order (`object.rs`), and the two readers (`fast.rs`, `general.rs`).
 
-mod form;
+pub(crate) mod form;
 mod framing;
 mod json;
 mod media;

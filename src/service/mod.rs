@@ -1,8 +1,8 @@
 //! [`Idempotency`]: the service, and the request flow read top to bottom (call, key, body,
 //! fingerprint, claim, run, settle, answer). The machinery beside it has files of its own:
-//! body buffering (`buffer.rs`), a claim in flight (`claim.rs`), the claim's renewals,
-//! record and release (`calls.rs`), deadlines and the lease (`deadline.rs`), wait mode
-//! (`wait.rs`) and the response future (`future.rs`).
+//! the key's refusal and echo (`key.rs`), body buffering (`buffer.rs`), a claim in flight
+//! (`claim.rs`), the claim's renewals, record and release (`calls.rs`), deadlines and the
+//! lease (`deadline.rs`), wait mode (`wait.rs`) and the response future (`future.rs`).
 
 use std::any::Any;
 use std::fmt;
@@ -42,6 +42,7 @@ use calls::panic_message;
 mod claim;
 mod deadline;
 mod future;
+mod key;
 mod wait;
 
 use buffer::{buffer_body, content_length, BodyError, Work};
@@ -49,6 +50,7 @@ use claim::PendingClaim;
 pub(crate) use deadline::within_for;
 use deadline::{deadline, within, Lease};
 pub use future::ResponseFuture;
+use key::{key_refused, Echo};
 pub(crate) use wait::Waiters;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -184,25 +186,12 @@ where
             waiters: self.waiters.clone(),
             grpc,
             labels,
+            echo: cfg.key_echo.then(Default::default),
         };
         ResponseFuture::flow(
-            Box::pin(flow.run(inner, req, key)),
+            Box::pin(flow.echoing(inner, req, key)),
             future::detach::<ResB, S::Error>,
         )
-    }
-}
-
-/// The 400 for a request without a usable key; the detail names where it was expected.
-fn key_refused(labels: &Labels, refusal: Refusal) -> IdempotencyError {
-    match refusal {
-        Refusal::Missing(detail) => {
-            labels.outcome(Outcome::KeyMissing);
-            IdempotencyError::new(ErrorKind::KeyMissing, detail)
-        }
-        Refusal::Invalid(detail) => {
-            labels.outcome(Outcome::KeyInvalid);
-            IdempotencyError::new(ErrorKind::KeyInvalid, detail)
-        }
     }
 }
 
@@ -239,6 +228,8 @@ struct Flow {
     waiters: Arc<Waiters>,
     grpc: bool,
     labels: Labels,
+    /// The key for the answers to echo, when they do.
+    echo: Echo,
 }
 
 impl Flow {
@@ -332,7 +323,10 @@ impl Flow {
         let key = match key {
             Some(key) => key,
             None => match self.cfg.key.read_request(&parts, &bytes, self.grpc) {
-                Ok(key) => Arc::from(key),
+                Ok(key) => {
+                    self.known(&parts.headers, &key);
+                    Arc::from(key)
+                }
                 Err(Refusal::Missing(_)) if self.cfg.key.is_optional() => {
                     let mut inner = inner;
                     let req = Request::from_parts(parts, RequestBody::buffered(bytes));
@@ -526,7 +520,8 @@ impl Keyed {
                     let err = IdempotencyError::new(
                         ErrorKind::QuotaExceeded,
                         "this caller holds as many idempotency records as it may; the request was not processed",
-                    );
+                    )
+                    .retry_after(cfg.store_failure.quota_retry_after.min(cfg.timing.ttl()));
                     return Step::Answer(self.flow.error(err));
                 }
                 Err(e) if cfg.store_failure.open_on_error => {

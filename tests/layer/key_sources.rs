@@ -847,3 +847,277 @@ async fn a_webhook_redelivery_waiting_for_the_first_gets_its_status_when_the_ans
     assert_omitted(waiting.await.unwrap().unwrap(), StatusCode::OK).await;
     assert_eq!(gated.runs.load(Ordering::SeqCst), 1);
 }
+
+/// A form POST without an `Idempotency-Key`.
+fn form(path: &str, body: &str) -> Request<Full<Bytes>> {
+    Request::post(path)
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body(Full::new(Bytes::copy_from_slice(body.as_bytes())))
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_form_field_key_dedupes_on_the_decoded_field_and_two_keys_run_twice() {
+    let (store, work) = (counting(), Work::default());
+    let s = svc(
+        unscoped(&store).with_key(Key::form_field("idempotency_key")),
+        &work,
+    );
+    let first = call(&s, form("/v1/charges", "amount=100&idempotency_key=k-1")).await;
+    assert_eq!((first.status(), replayed(&first)), (StatusCode::OK, false));
+    assert_eq!(body_bytes(first).await, "run 1");
+    // The same field, spelled otherwise: `%5F` is `_`, `%2D` is `-`; pairs in another order.
+    let again = call(
+        &s,
+        form("/v1/charges", "idempotency%5Fkey=k%2D1&amount=100"),
+    )
+    .await;
+    assert!(replayed(&again));
+    assert_eq!(body_bytes(again).await, "run 1");
+    // The key is the decoded value: the store holds the record of `k-1`.
+    let id = tower_idempotency::store::RecordId::new(None, "k-1");
+    let record = tower_idempotency::store::IdempotencyStore::get(&*store, &id).await;
+    assert!(record.unwrap().is_some());
+    // `%2B` is a `+`; a key with a reserved character, and another key: it runs.
+    let other = call(&s, form("/v1/charges", "amount=100&idempotency_key=k%2B1")).await;
+    assert_eq!((other.status(), replayed(&other)), (StatusCode::OK, false));
+    let id = tower_idempotency::store::RecordId::new(None, "k+1");
+    let record = tower_idempotency::store::IdempotencyStore::get(&*store, &id).await;
+    assert!(record.unwrap().is_some());
+    // The media type's case and parameters do not matter to the key.
+    let mut charset = form("/v1/charges", "idempotency_key=k-2");
+    charset.headers_mut().insert(
+        "content-type",
+        "Application/X-WWW-Form-URLEncoded ; charset=UTF-8"
+            .parse()
+            .unwrap(),
+    );
+    assert_eq!(call(&s, charset).await.status(), StatusCode::OK);
+    assert_eq!(work.runs(), 3);
+}
+
+/// Each refused form request, with the kind and the words its problem must carry; none
+/// reaches the store or the handler.
+#[tokio::test]
+async fn every_bad_form_key_is_a_400_naming_the_field_and_nothing_is_stored() {
+    let (store, work) = (counting(), Work::default());
+    let s = svc(
+        unscoped(&store).with_key(Key::form_field("idempotency_key")),
+        &work,
+    );
+    let long = format!("idempotency_key={}", "k".repeat(256));
+    let with_type = |content_type: Option<&str>, body: &str| {
+        let mut b = Request::post("/v1/charges");
+        if let Some(t) = content_type {
+            b = b.header("content-type", t);
+        }
+        b.body(Full::new(Bytes::copy_from_slice(body.as_bytes())))
+            .unwrap()
+    };
+    let form_type = Some("application/x-www-form-urlencoded");
+    let cases: Vec<(&str, Request<Full<Bytes>>, ErrorKind, &str)> = vec![
+        (
+            "absent",
+            with_type(form_type, "amount=100&idempotency_keys=k"),
+            ErrorKind::KeyMissing,
+            "of the request body is missing",
+        ),
+        (
+            "empty body",
+            with_type(form_type, ""),
+            ErrorKind::KeyMissing,
+            "of the request body is missing",
+        ),
+        (
+            "a JSON body",
+            with_type(Some("application/json"), r#"{"idempotency_key":"k"}"#),
+            ErrorKind::KeyMissing,
+            "is missing: the request body is `application/json`, not `application/x-www-form-urlencoded`",
+        ),
+        (
+            "a multipart body",
+            with_type(
+                Some("multipart/form-data; boundary=x"),
+                "--x\r\nContent-Disposition: form-data; name=\"idempotency_key\"\r\n\r\nk\r\n--x--",
+            ),
+            ErrorKind::KeyMissing,
+            "the request body is `multipart/form-data`, not",
+        ),
+        (
+            "no Content-Type",
+            with_type(None, "idempotency_key=k"),
+            ErrorKind::KeyMissing,
+            "the request has no `Content-Type`",
+        ),
+        (
+            "given twice",
+            with_type(form_type, "idempotency_key=a&amount=1&idempotency_key=a"),
+            ErrorKind::KeyInvalid,
+            "is given more than once in the form body",
+        ),
+        (
+            "given twice, once encoded",
+            with_type(form_type, "idempotency_key=a&idempotency%5Fkey=b"),
+            ErrorKind::KeyInvalid,
+            "more than once",
+        ),
+        (
+            "empty",
+            with_type(form_type, "idempotency_key=&amount=1"),
+            ErrorKind::KeyInvalid,
+            "is empty",
+        ),
+        (
+            "a name without a value",
+            with_type(form_type, "idempotency_key&amount=1"),
+            ErrorKind::KeyInvalid,
+            "is empty",
+        ),
+        (
+            "256 characters",
+            with_type(form_type, &long),
+            ErrorKind::KeyInvalid,
+            "longer than 255",
+        ),
+        (
+            "a plus is a space",
+            with_type(form_type, "idempotency_key=a+b"),
+            ErrorKind::KeyInvalid,
+            "visible ASCII",
+        ),
+        (
+            "non-ASCII",
+            with_type(form_type, "idempotency_key=caf%C3%A9"),
+            ErrorKind::KeyInvalid,
+            "visible ASCII",
+        ),
+        (
+            "a bad percent-escape",
+            with_type(form_type, "idempotency_key=k%zz"),
+            ErrorKind::KeyInvalid,
+            "a `%` must be followed by two hex digits",
+        ),
+    ];
+    for (label, req, kind, words) in cases {
+        let res = call(&s, req).await;
+        assert_eq!(res.status(), StatusCode::BAD_REQUEST, "{label}");
+        assert!(res.headers().get("idempotency-key").is_none(), "{label}");
+        let problem = assert_problem(res, kind).await;
+        let detail = problem["detail"].as_str().unwrap();
+        assert!(
+            detail.contains(
+                "the idempotency key in form field `idempotency_key` of the request body"
+            ),
+            "{label}: {detail}"
+        );
+        assert!(detail.contains(words), "{label}: {detail}");
+    }
+    assert_eq!((store.total(), work.runs()), (0, 0));
+}
+
+#[tokio::test]
+async fn an_optional_form_key_lets_a_request_without_it_through_but_refuses_a_bad_one() {
+    let (store, work) = (counting(), Work::default());
+    let s = svc(
+        unscoped(&store).with_key(Key::form_field("idempotency_key").optional()),
+        &work,
+    );
+    for req in [
+        form("/v1/charges", "amount=100"),
+        json("/v1/charges", r#"{"idempotency_key":"k"}"#),
+    ] {
+        let res = call(&s, req).await;
+        assert_eq!((res.status(), replayed(&res)), (StatusCode::OK, false));
+    }
+    assert_eq!((work.runs(), store.total()), (2, 0));
+    for body in ["idempotency_key=", "idempotency_key=a&idempotency_key=a"] {
+        let res = call(&s, form("/v1/charges", body)).await;
+        assert_problem(res, ErrorKind::KeyInvalid).await;
+    }
+    assert_eq!((work.runs(), store.total()), (2, 0));
+    call(&s, form("/v1/charges", "idempotency_key=a")).await;
+    assert!(replayed(
+        &call(&s, form("/v1/charges", "idempotency_key=a")).await
+    ));
+    assert_eq!(work.runs(), 3);
+}
+
+#[tokio::test]
+async fn a_form_field_joins_a_header_and_a_missing_part_is_named() {
+    let (store, work) = (counting(), Work::default());
+    let key = Key::joined([
+        KeyPart::header(HeaderName::from_static("x-account")),
+        KeyPart::form_field("idempotency_key"),
+    ])
+    .unwrap();
+    let s = svc(unscoped(&store).with_key(key), &work);
+    let req = |account: &str, body: &str| {
+        let mut r = form("/v1/charges", body);
+        r.headers_mut()
+            .insert("x-account", account.parse().unwrap());
+        r
+    };
+    call(&s, req("acct_1", "idempotency_key=k")).await;
+    assert!(replayed(
+        &call(&s, req("acct_1", "idempotency_key=k")).await
+    ));
+    let id = tower_idempotency::store::RecordId::new(None, "6:acct_11:k");
+    let record = tower_idempotency::store::IdempotencyStore::get(&*store, &id).await;
+    assert!(record.unwrap().is_some(), "the joined key");
+    let other = call(&s, req("acct_2", "idempotency_key=k")).await;
+    assert!(!replayed(&other));
+    let problem = assert_problem(
+        call(&s, req("acct_1", "amount=1")).await,
+        ErrorKind::KeyMissing,
+    )
+    .await;
+    assert_eq!(
+        problem["detail"],
+        "the idempotency key part in form field `idempotency_key` of the request body is missing"
+    );
+    assert_eq!(work.runs(), 2);
+}
+
+#[tokio::test]
+async fn a_form_keyed_request_over_the_limit_is_413_before_any_claim() {
+    let (store, work) = (counting(), Work::default());
+    let s = svc(
+        unscoped(&store)
+            .with_key(Key::form_field("idempotency_key"))
+            .with_max_request_body(std::num::NonZeroUsize::new(32).unwrap()),
+        &work,
+    );
+    let big = format!("idempotency_key=k&pad={}", "x".repeat(64));
+    assert_problem(
+        call(&s, form("/v1/charges", &big)).await,
+        ErrorKind::BodyTooLarge,
+    )
+    .await;
+    let mut chunked = form("/v1/charges", &big);
+    chunked.headers_mut().remove("content-length");
+    assert_problem(call(&s, chunked).await, ErrorKind::BodyTooLarge).await;
+    assert_eq!((store.total(), work.runs()), (0, 0));
+}
+
+#[tokio::test]
+async fn a_key_read_from_the_body_is_echoed_as_read_when_the_layer_echoes_keys() {
+    let (store, work) = (counting(), Work::default());
+    let s = svc(
+        unscoped(&store)
+            .with_key(Key::form_field("idempotency_key"))
+            .with_key_echo(true),
+        &work,
+    );
+    let first = call(&s, form("/v1/charges", "idempotency_key=k%2D1")).await;
+    assert_eq!(first.headers()["idempotency-key"], "k-1");
+    let again = call(&s, form("/v1/charges", "idempotency_key=k%2D1")).await;
+    assert!(replayed(&again));
+    assert_eq!(again.headers()["idempotency-key"], "k-1");
+    let reused = call(&s, form("/v1/charges", "idempotency_key=k-1&amount=2")).await;
+    assert_eq!(reused.headers()["idempotency-key"], "k-1");
+    assert_problem(reused, ErrorKind::Mismatch).await;
+    // Before the key is known there is nothing to echo.
+    let missing = call(&s, form("/v1/charges", "amount=2")).await;
+    assert!(missing.headers().get("idempotency-key").is_none());
+    assert_eq!(work.runs(), 1);
+}

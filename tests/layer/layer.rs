@@ -1490,3 +1490,159 @@ async fn the_context_carries_key_scope_generation_and_a_stable_derived_key() {
     assert_ne!(a["derived"], c["derived"]);
     assert_eq!(a["derived"].as_str().unwrap().len(), 64);
 }
+
+// 13. Retry hints and the key echo ----------------------------------------------------------
+
+/// `Retry-After` and `retry-after-ms` of an answer, as numbers.
+fn hints(res: &Response<tower_idempotency::ResponseBody<Body>>) -> (u64, u64) {
+    let n = |name: &str| res.headers()[name].to_str().unwrap().parse().unwrap();
+    (n("retry-after"), n("retry-after-ms"))
+}
+
+#[tokio::test]
+async fn an_in_progress_409_says_retry_after_ms_to_the_millisecond_beside_whole_seconds() {
+    for (in_progress, lease, want) in [
+        (
+            InProgress::conflict(),
+            Duration::from_secs(30),
+            Some((1, 1000)),
+        ),
+        (
+            InProgress::conflict().retry_after(Duration::from_millis(1500)),
+            Duration::from_secs(30),
+            Some((2, 1500)),
+        ),
+        // The rest of a 300 ms lease is shorter than the 1 s hint: the rest it is.
+        (InProgress::conflict(), Duration::from_millis(300), None),
+    ] {
+        let app = App::default();
+        let layer = IdempotencyLayer::new(MemoryStore::new())
+            .unscoped()
+            .with_timing(Timing::new(lease, Duration::from_secs(60)).unwrap())
+            .with_in_progress(in_progress);
+        let s = svc(layer, &app);
+        let first = tokio::spawn(call(&s, post("/gated", Some("k"), "{}")));
+        app.started.notified().await;
+        let res = call(&s, post("/gated", Some("k"), "{}")).await;
+        let (secs, ms) = hints(&res);
+        let err = res.extensions().get::<IdempotencyError>().unwrap();
+        assert_eq!(
+            Some(ms),
+            err.retry_after_duration()
+                .map(|d| d.as_nanos().div_ceil(1_000_000) as u64),
+            "the milliseconds the layer means"
+        );
+        match want {
+            Some(want) => assert_eq!((secs, ms), want),
+            None => assert!(secs == 1 && (1..=300).contains(&ms), "{secs} s, {ms} ms"),
+        }
+        let v = assert_problem(res, 409, ErrorKind::InProgress).await;
+        assert_eq!(v["retry_after"], secs);
+        app.gate.notify_one();
+        first.await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn a_store_unavailable_503_says_retry_after_ms_beside_retry_after() {
+    let app = App::default();
+    let s = svc(IdempotencyLayer::new(DownStore).unscoped(), &app);
+    let res = call(&s, post("/x", Some("k"), "{}")).await;
+    assert_eq!(hints(&res), (1, 1000));
+    assert_problem(res, 503, ErrorKind::StoreUnavailable).await;
+    assert_eq!(app.calls(), 0);
+}
+
+#[tokio::test]
+async fn a_quota_429_says_when_to_retry_as_configured_and_never_past_the_ttl() {
+    for (store_failure, ttl, want) in [
+        (
+            StoreFailure::closed(),
+            Duration::from_secs(86_400),
+            (60, 60_000),
+        ),
+        (
+            StoreFailure::closed().quota_retry_after(Duration::from_millis(1500)),
+            Duration::from_secs(86_400),
+            (2, 1500),
+        ),
+        // Every record the scope holds is gone within one TTL.
+        (
+            StoreFailure::closed(),
+            Duration::from_secs(10),
+            (10, 10_000),
+        ),
+    ] {
+        let app = App::default();
+        let store = MemoryStore::builder()
+            .with_max_records_per_scope(NonZeroUsize::new(1).unwrap())
+            .build();
+        let layer = IdempotencyLayer::new(store)
+            .with_scope(|_| Some("tenant".into()))
+            .with_timing(Timing::new(Duration::from_secs(1), ttl).unwrap())
+            .with_store_failure(store_failure);
+        let s = svc(layer, &app);
+        assert_eq!(call(&s, post("/x", Some("k1"), "{}")).await.status(), 201);
+        let over = call(&s, post("/x", Some("k2"), "{}")).await;
+        assert_eq!(hints(&over), want);
+        let v = assert_problem(over, 429, ErrorKind::QuotaExceeded).await;
+        assert_eq!(v["retry_after"], want.0);
+        assert_eq!(app.calls(), 1);
+    }
+}
+
+#[tokio::test]
+async fn the_key_is_echoed_on_every_answer_to_a_keyed_request_only_when_asked() {
+    for echo in [false, true] {
+        let app = App::default();
+        let store = MemoryStore::new();
+        let layer = IdempotencyLayer::new(store.clone()).unscoped();
+        let layer = if echo {
+            layer.with_key_echo(true)
+        } else {
+            layer
+        };
+        let s = svc(layer, &app);
+        let echoed = |res: &Response<tower_idempotency::ResponseBody<Body>>| {
+            res.headers()
+                .get("idempotency-key")
+                .map(|v| v.to_str().unwrap().to_owned())
+        };
+        let want = |key: &str| echo.then(|| key.to_owned());
+
+        let first = call(&s, post("/x", Some("k-1"), r#"{"a":1}"#)).await;
+        assert_eq!(
+            (first.status().as_u16(), echoed(&first)),
+            (201, want("k-1"))
+        );
+        let replay = call(&s, post("/x", Some("k-1"), r#"{"a":1}"#)).await;
+        assert_eq!(replay.headers()["idempotent-replayed"], "true");
+        assert_eq!(echoed(&replay), want("k-1"));
+        let reused = call(&s, post("/x", Some("k-1"), r#"{"a":2}"#)).await;
+        assert_eq!(echoed(&reused), want("k-1"));
+        assert_problem(reused, 422, ErrorKind::Mismatch).await;
+
+        // An sf-string key comes back as it was sent.
+        let first = tokio::spawn(call(&s, post("/gated", Some("\"k-2\""), "{}")));
+        app.started.notified().await;
+        let busy = call(&s, post("/gated", Some("\"k-2\""), "{}")).await;
+        assert_eq!(echoed(&busy), want("\"k-2\""));
+        assert_problem(busy, 409, ErrorKind::InProgress).await;
+        app.gate.notify_one();
+        assert_eq!(echoed(&first.await.unwrap()), want("\"k-2\""));
+
+        // Not known, not echoed: a request refused for its key, or passed through.
+        let bad = call(&s, post("/x", Some("a b"), "{}")).await;
+        assert_eq!(echoed(&bad), None);
+        let mut get = post("/x", Some("k-3"), "");
+        *get.method_mut() = http::Method::GET;
+        assert_eq!(echoed(&call(&s, get).await), None);
+
+        // The echo is never recorded: a layer that does not echo replays without it.
+        let quiet = svc(IdempotencyLayer::new(store).unscoped(), &app);
+        let replay = call(&quiet, post("/x", Some("k-1"), r#"{"a":1}"#)).await;
+        assert_eq!(replay.headers()["idempotent-replayed"], "true");
+        assert_eq!(echoed(&replay), None);
+        assert_eq!(app.calls(), 3, "k-1, k-2 and the GET");
+    }
+}
