@@ -30,7 +30,7 @@ const MAX_LEFT: usize = 1000;
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 /// Finishes the work of keys whose holder died: it finds records in progress whose lease
-/// lapsed and that hold a [`RecoveryPoint`], takes each over exactly as a retry would
+/// lapsed and that hold a [`RecoveryPoint`](crate::RecoveryPoint), takes each over exactly as a retry would
 /// (fenced, generation + 1, the abandoned-key hook fires), runs your recover function from
 /// the point, and records the answer it returns, so the client's next retry replays it.
 ///

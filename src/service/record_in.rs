@@ -23,7 +23,7 @@ impl PostgresStore {
     /// Unmarked, the response goes through the layer's record policy. One it would record is
     /// buffered and completed again with the same token, which the store answers `Ok`
     /// without writing (the answer is recorded already); one it would release (a 5xx) gets a
-    /// release that is [`StoreErrorKind::Fenced`] and logged. Either way the answer committed
+    /// release that is [`StoreErrorKind::Fenced`](crate::store::StoreErrorKind::Fenced) and logged. Either way the answer committed
     /// here stands, and retries replay it, not what the handler returned.
     pub async fn record_in<C, B>(
         &self,
@@ -59,9 +59,9 @@ impl PostgresStore {
     /// with [`lock_in`](Self::lock_in).
     ///
     /// A point over a cap ([`RecoveryPoint::MAX_STEP`](crate::RecoveryPoint::MAX_STEP),
-    /// [`MAX_DATA`](crate::RecoveryPoint::MAX_DATA)) is [`StoreErrorKind::TooLarge`], naming
+    /// [`MAX_DATA`](crate::RecoveryPoint::MAX_DATA)) is [`StoreErrorKind::TooLarge`](crate::store::StoreErrorKind::TooLarge), naming
     /// the cap, and nothing is sent. A stale token (another attempt took over) is
-    /// [`StoreErrorKind::Fenced`] and writes nothing: roll back, and stop. Like
+    /// [`StoreErrorKind::Fenced`](crate::store::StoreErrorKind::Fenced) and writes nothing: roll back, and stop. Like
     /// [`complete_in`](Self::complete_in), it row-locks the record until you commit (lease
     /// renewals wait: save last, just before `COMMIT`), and is not retried: on any other
     /// error, roll back and retry the whole phase.
