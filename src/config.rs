@@ -293,6 +293,9 @@ pub(crate) enum Scope {
     Fn(ScopeFn),
 }
 pub(crate) type FilterFn = Arc<dyn Fn(&request::Parts) -> bool + Send + Sync>;
+/// Checks a delivery's signature on its head and buffered body: `Err` is the `401` problem.
+pub(crate) type SignatureFn =
+    Arc<dyn Fn(&request::Parts, &[u8]) -> Result<(), IdempotencyError> + Send + Sync>;
 pub(crate) type Renderer = Arc<dyn Fn(&IdempotencyError) -> Response<Bytes> + Send + Sync>;
 
 #[derive(Clone)]
@@ -317,6 +320,9 @@ pub(crate) struct Config {
     /// empty, rather than the `410` problem: set by a [`Webhook`](crate::Webhook), whose
     /// sender reads anything outside 2xx as a failure.
     pub(crate) unkept_as_status: bool,
+    /// The sender's signature, checked on the buffered body before the claim: set by
+    /// [`Webhook::standard`](crate::Webhook::standard).
+    pub(crate) signature: Option<SignatureFn>,
     pub(crate) renderer: Option<Renderer>,
     /// `None`: HTTP only.
     pub(crate) grpc: Option<Grpc>,

@@ -36,6 +36,9 @@ pub enum ErrorKind {
     QuotaExceeded,
     /// The scope function found no scope: the layer runs before the one that sets it. HTTP 500.
     ScopeMissing,
+    /// A signed webhook delivery ([`Webhook::standard`](crate::Webhook::standard)) without a
+    /// valid signature, or signed outside the timestamp tolerance. HTTP 401.
+    SignatureInvalid,
 }
 
 impl ErrorKind {
@@ -55,6 +58,7 @@ impl ErrorKind {
             ErrorKind::ResponseNotRetained => StatusCode::GONE,
             ErrorKind::ScopeMissing => StatusCode::INTERNAL_SERVER_ERROR,
             ErrorKind::QuotaExceeded => StatusCode::TOO_MANY_REQUESTS,
+            ErrorKind::SignatureInvalid => StatusCode::UNAUTHORIZED,
         }
     }
 
@@ -72,6 +76,7 @@ impl ErrorKind {
             ErrorKind::ResponseNotRetained => "response-not-retained",
             ErrorKind::ScopeMissing => "scope-missing",
             ErrorKind::QuotaExceeded => "quota-exceeded",
+            ErrorKind::SignatureInvalid => "signature-invalid",
         }
     }
 
@@ -96,6 +101,7 @@ impl ErrorKind {
             ErrorKind::ResponseNotRetained => "Original response not retained",
             ErrorKind::ScopeMissing => "Idempotency scope missing",
             ErrorKind::QuotaExceeded => "Idempotency quota exceeded",
+            ErrorKind::SignatureInvalid => "Webhook signature invalid",
         }
     }
 }

@@ -79,6 +79,7 @@ impl IdempotencyLayer {
                 in_progress: InProgress::conflict(),
                 in_progress_status: http::StatusCode::CONFLICT,
                 unkept_as_status: false,
+                signature: None,
                 renderer: None,
                 grpc: None,
                 route_label: std::borrow::Cow::Borrowed("unnamed"),

@@ -121,7 +121,9 @@
 //! [`IdempotencyLayer::with_webhook`] sets a receiver's defaults: match on the id and the
 //! route, record 2xx only, keep records 7 days, answer a duplicate in flight `503`. The
 //! [`webhooks_guide`] covers signature checks, inbox-style processing and event order;
-//! `cargo run --example webhooks` receives Stripe, GitHub and Adyen style deliveries.
+//! [`Webhook::standard`] checks a [Standard Webhooks](https://www.standardwebhooks.com/)
+//! signature itself, before the claim. `cargo run --example webhooks` receives Stripe,
+//! GitHub, Adyen and Standard Webhooks style deliveries.
 //!
 //! ## Which routes are protected
 //!
@@ -314,7 +316,7 @@ pub use response::{REPLAY_OMITTED_HEADER, TTL_HEADER};
 pub use service::IdempotencyContext;
 pub use service::{Idempotency, ResponseFuture};
 pub use store::RecoveryPoint;
-pub use webhook::{Webhook, DEFAULT_WEBHOOK_TTL};
+pub use webhook::{StandardWebhooks, Webhook, DEFAULT_WEBHOOK_TTL};
 
 /// The problem types the layer answers with. Each `type` URI points at its section here.
 ///
@@ -323,6 +325,7 @@ pub use webhook::{Webhook, DEFAULT_WEBHOOK_TTL};
 /// | 400 | [`key-missing`](#key-missing) | a protected request without a key (where it was expected is in `detail`) | `INVALID_ARGUMENT` |
 /// | 400 | [`key-invalid`](#key-invalid) | empty, > 255 characters, not visible ASCII, bad sf-string, or two field lines (a form field: given twice, or a bad percent-escape) | `INVALID_ARGUMENT` |
 /// | 400 | [`body-unreadable`](#body-unreadable) | the request body failed while being read | `INVALID_ARGUMENT` |
+/// | 401 | [`signature-invalid`](#signature-invalid) | [`Webhook::standard`] only: no `webhook-signature` entry matches, or `webhook-timestamp` is outside the tolerance; nothing was claimed | `UNAUTHENTICATED` |
 /// | 413 | [`body-too-large`](#body-too-large) | the body exceeds `max_request_body` | `RESOURCE_EXHAUSTED` |
 /// | 408 | [`body-timeout`](#body-timeout) | the body did not arrive within `request_body_timeout` | `DEADLINE_EXCEEDED` |
 /// | 409 | [`in-progress`](#in-progress) | the first request with this key still runs; retry after `Retry-After` (1 s by default), or `retry-after-ms` to the millisecond. `503` under [`Webhook`] | `ABORTED` |
@@ -357,6 +360,16 @@ pub use webhook::{Webhook, DEFAULT_WEBHOOK_TTL};
 ///
 /// # body-unreadable
 /// The connection failed while the body was being read. Nothing was claimed; retry.
+///
+/// # signature-invalid
+/// A [Standard Webhooks](https://www.standardwebhooks.com/) receiver
+/// ([`Webhook::standard`]) checked the delivery before claiming anything, and it failed:
+/// the `webhook-signature` or `webhook-timestamp` header is missing, no `v1` signature
+/// matches `{webhook-id}.{webhook-timestamp}.{body}` under the receiver's secrets (a wrong
+/// or rotated secret, a body changed on the way), or the timestamp is further from the
+/// receiver's clock than its tolerance (5 minutes by default). The `detail` says which.
+/// Nothing was claimed or stored, so the sender's genuine delivery of the same id still
+/// runs. A sender redelivers on it; check the secret and the clocks.
 ///
 /// # body-too-large
 /// Protected requests are buffered to be fingerprinted. Nothing was claimed.

@@ -85,6 +85,7 @@ pub(crate) fn grpc_code(kind: ErrorKind) -> u8 {
         ErrorKind::ResponseNotRetained => 6, // ALREADY_EXISTS
         ErrorKind::ScopeMissing => 13,       // INTERNAL
         ErrorKind::QuotaExceeded => 8,       // RESOURCE_EXHAUSTED
+        ErrorKind::SignatureInvalid => 16,   // UNAUTHENTICATED
     }
 }
 

@@ -1,4 +1,5 @@
-//! [`Webhook`]: the defaults a webhook receiver needs.
+//! [`Webhook`]: the defaults a webhook receiver needs, and the signatures the layer checks
+//! itself ([`StandardWebhooks`], in `standard.rs`).
 
 use std::fmt;
 use std::sync::Arc;
@@ -11,6 +12,9 @@ use crate::error::ConfigError;
 use crate::fingerprint::JsonPointer;
 use crate::key::Key;
 use crate::policy::{RecordPolicy, ResponseInfo};
+
+mod standard;
+pub use standard::StandardWebhooks;
 
 /// How long a webhook receiver keeps its records by default: 7 days, past Stripe's three
 /// days of redelivery with room for an endpoint that was down and a manual resend.
@@ -62,12 +66,16 @@ pub const DEFAULT_WEBHOOK_TTL: Duration = Duration::from_secs(7 * 24 * 60 * 60);
 ///
 /// Setters on the layer called after `with_webhook` override what it set.
 ///
-/// **Signature verification stays outside this layer**, in a layer of your own that runs
-/// first: with axum, the later `.layer(verify)` call. A delivery whose signature fails is
-/// answered `401` there and never reaches this layer, so nothing is claimed or recorded,
-/// and the sender's genuine delivery of that id still runs. The check reads the raw body
-/// before this layer does, so give it the same size limit as
-/// [`with_max_request_body`](crate::IdempotencyLayer::with_max_request_body). The
+/// **Signatures.** A [Standard Webhooks](https://www.standardwebhooks.com/) sender's
+/// signature is checked by the layer itself: [`Webhook::standard`] keys on `webhook-id`
+/// and verifies `webhook-signature` and `webhook-timestamp` on the buffered body, after
+/// the key and the size limit and before anything is claimed, so a forged or stale
+/// delivery is `401` and stores nothing. Any other sender's signature is checked in a
+/// layer of your own that runs first: with axum, the later `.layer(verify)` call. A
+/// delivery whose signature fails is answered `401` there and never reaches this layer, so
+/// nothing is claimed or recorded, and the sender's genuine delivery of that id still
+/// runs. That check reads the raw body before this layer does, so give it the same size
+/// limit as [`with_max_request_body`](crate::IdempotencyLayer::with_max_request_body). The
 /// [webhooks guide](crate::webhooks_guide) has the whole receiver.
 ///
 /// ```
@@ -90,6 +98,7 @@ pub struct Webhook {
     ttl: Duration,
     in_progress_status: StatusCode,
     scope: Option<ScopeFn>,
+    signature: Option<Arc<StandardWebhooks>>,
 }
 
 impl fmt::Debug for Webhook {
@@ -100,6 +109,7 @@ impl fmt::Debug for Webhook {
             .field("ttl", &self.ttl)
             .field("in_progress_status", &self.in_progress_status)
             .field("scoped", &self.scope.is_some())
+            .field("signature", &self.signature)
             .finish()
     }
 }
@@ -120,7 +130,41 @@ impl Webhook {
             ttl: DEFAULT_WEBHOOK_TTL,
             in_progress_status: StatusCode::SERVICE_UNAVAILABLE,
             scope: None,
+            signature: None,
         }
+    }
+
+    /// A [Standard Webhooks 1.0](https://www.standardwebhooks.com/) receiver: keyed on the
+    /// `webhook-id` header, each delivery verified with `signature` before anything is
+    /// claimed, with the defaults above.
+    ///
+    /// In order, nothing stored by any of them: a delivery without `webhook-id` is `400`
+    /// ([`key-missing`](crate::problems#key-missing)), one over the size limit `413`, and
+    /// one whose `webhook-signature` matches none of the secrets, or whose
+    /// `webhook-timestamp` is outside the tolerance, `401`
+    /// ([`signature-invalid`](crate::problems#signature-invalid)). A delivery that passes
+    /// runs once; its redeliveries, each signed afresh by the sender, are replays.
+    ///
+    /// The TTL is raised to twice the tolerance if shorter, so a captured delivery cannot
+    /// outlive its record and be replayed into a second run within the tolerance; a later
+    /// [`with_timing`](crate::IdempotencyLayer::with_timing) on the layer overrides that
+    /// too.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), tower_idempotency::ConfigError> {
+    /// use tower_idempotency::{store::MemoryStore, IdempotencyLayer, StandardWebhooks, Webhook};
+    ///
+    /// let secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"; // from the sender's dashboard
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .with_webhook(Webhook::standard(StandardWebhooks::new([secret])?));
+    /// # drop(layer);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn standard(signature: StandardWebhooks) -> Self {
+        let mut webhook = Self::new(Key::header(standard::ID));
+        webhook.signature = Some(Arc::new(signature));
+        webhook
     }
 
     /// Matches a redelivery on its body too, as the layer does outside webhook mode
@@ -181,7 +225,13 @@ impl Webhook {
                 c.fingerprint.excluded.extend(fields);
             }
         }
-        c.timing.set_ttl(self.ttl);
+        c.timing.set_ttl(match &self.signature {
+            Some(s) => self.ttl.max(2 * s.tolerance()),
+            None => self.ttl,
+        });
+        c.signature = self.signature.map(|s| -> crate::config::SignatureFn {
+            Arc::new(move |parts, body| s.verify(&parts.headers, body))
+        });
         c.policy = Arc::new(TwoHundreds);
         c.in_progress_status = self.in_progress_status;
         c.unkept_as_status = true;

@@ -1,20 +1,27 @@
 //! The webhook receivers' router, shared by `main.rs` and the tests.
 //!
-//! Three senders, each deduplicated on its own id of the event, one record per tenant:
+//! Four senders, each deduplicated on its own id of the event, one record per tenant:
 //!
 //! | route | the id | matched on |
 //! |---|---|---|
 //! | `POST /webhooks[/{tenant}]/stripe` | the event's `id` in the body | the body, minus `pending_webhooks` |
 //! | `POST /webhooks[/{tenant}]/github` | the `X-GitHub-Delivery` header (the same on a redelivery) | key and route |
 //! | `POST /webhooks[/{tenant}]/adyen` | `eventCode` and `pspReference` of the body's one notification item | key and route (records kept 31 days: Adyen retries for 30) |
+//! | `POST /webhooks/standard` | the `webhook-id` header of a [Standard Webhooks](https://www.standardwebhooks.com/) sender | key and route, one record per endpoint |
 //!
 //! Adyen's JSON webhooks carry exactly one item in `notificationItems` (only SOAP batches
 //! several), so the key reads `/notificationItems/0/NotificationRequestItem/…`.
 //!
 //! Each sender registers one URL per tenant; `/webhooks/stripe` is the `default` tenant's.
-//! Every delivery passes [`verify`] first: `X-Signature: sha256=<hex HMAC-SHA256 of the raw
-//! body>`. A delivery that fails it is `401` before the idempotency layer sees it, so it is
-//! never recorded.
+//! Every Stripe, GitHub and Adyen delivery passes [`verify`] first: `X-Signature:
+//! sha256=<hex HMAC-SHA256 of the raw body>`. A delivery that fails it is `401` before the
+//! idempotency layer sees it, so it is never recorded.
+//!
+//! The Standard Webhooks receiver needs no `verify` of its own: the layer checks
+//! `webhook-signature` (over `{webhook-id}.{webhook-timestamp}.{body}`, with
+//! [`WebhooksConfig::standard`]) and the timestamp's 5 minute tolerance on the
+//! buffered body, before it claims anything. A delivery that fails is `401`
+//! `signature-invalid`, and nothing is stored.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -32,7 +39,7 @@ use hmac::{Hmac, Mac};
 use serde_json::json;
 use sha2::Sha256;
 use tower_idempotency::store::IdempotencyStore;
-use tower_idempotency::{IdempotencyLayer, JsonPointer, Key, KeyPart, Webhook};
+use tower_idempotency::{IdempotencyLayer, JsonPointer, Key, KeyPart, StandardWebhooks, Webhook};
 
 /// The largest delivery accepted, by the signature check and the idempotency layer alike.
 pub(crate) const MAX_BODY: usize = 256 * 1024;
@@ -51,6 +58,9 @@ pub(crate) type Hold = Arc<dyn Fn() -> Pin<Box<dyn Future<Output = ()> + Send>> 
 pub(crate) struct WebhooksConfig {
     /// The shared secret of the demo signature.
     pub(crate) secret: Vec<u8>,
+    /// The Standard Webhooks sender's secrets (`whsec_<base64>`: the current one, and the
+    /// previous one while the sender rotates) and the timestamp tolerance.
+    pub(crate) standard: StandardWebhooks,
     pub(crate) hold: Option<Hold>,
     /// The largest acknowledgement recorded (the layer's default, 1 MiB, when `None`). A
     /// larger one is not kept, and a redelivery gets its status with an empty body and
@@ -64,6 +74,7 @@ pub(crate) struct Processed {
     stripe: AtomicU64,
     github: AtomicU64,
     adyen: AtomicU64,
+    standard: AtomicU64,
 }
 
 impl Processed {
@@ -71,6 +82,11 @@ impl Processed {
     pub(crate) fn counts(&self) -> (u64, u64, u64) {
         let get = |c: &AtomicU64| c.load(Ordering::SeqCst);
         (get(&self.stripe), get(&self.github), get(&self.adyen))
+    }
+
+    /// The Standard Webhooks sender's.
+    pub(crate) fn standard(&self) -> u64 {
+        self.standard.load(Ordering::SeqCst)
     }
 }
 
@@ -128,6 +144,11 @@ pub(crate) fn app(
     .expect("two parts");
     // Adyen's retry queue runs for 30 days, past the 7 day default.
     let adyen = layer("adyen", Webhook::new(adyen_key).with_ttl(31 * DAY));
+    // Its own layer: no `verify` in front, and the default scope, the endpoint's path.
+    let standard = IdempotencyLayer::from_arc(store.clone())
+        .with_max_request_body(std::num::NonZeroUsize::new(MAX_BODY).unwrap())
+        .with_route_label("standard")
+        .with_webhook(Webhook::standard(config.standard));
     let secret: Arc<[u8]> = config.secret.into();
     let router = Router::new()
         .route("/webhooks/stripe", post(on_stripe).layer(stripe.clone()))
@@ -138,6 +159,8 @@ pub(crate) fn app(
         .route("/webhooks/{tenant}/adyen", post(on_adyen).layer(adyen))
         // Outside every idempotency layer: a bad signature never reaches one.
         .route_layer(axum::middleware::from_fn_with_state(secret, verify))
+        // After `route_layer`, so outside `verify`: the layer checks this sender's signature.
+        .route("/webhooks/standard", post(on_standard).layer(standard))
         .route("/webhooks/processed", get(processed_counts))
         .with_state(state);
     (router, processed)
@@ -264,7 +287,19 @@ async fn on_adyen(
     (StatusCode::ACCEPTED, "[accepted]").into_response()
 }
 
+/// A Standard Webhooks message: `{"type", "timestamp", "data"}`. The layer verified the
+/// signature and the timestamp before this ran, and keyed it on `webhook-id`.
+async fn on_standard(State(state): State<AppState>, body: Bytes) -> Response {
+    let Ok(message) = serde_json::from_slice::<serde_json::Value>(&body) else {
+        return problem(StatusCode::BAD_REQUEST, "the message is not JSON");
+    };
+    work(&state, &state.processed.standard).await;
+    tracing::info!(kind = %message["type"], "standard webhooks message processed");
+    Json(json!({"received": true})).into_response()
+}
+
 async fn processed_counts(State(state): State<AppState>) -> Json<serde_json::Value> {
     let (stripe, github, adyen) = state.processed.counts();
-    Json(json!({"stripe": stripe, "github": github, "adyen": adyen}))
+    let standard = state.processed.standard();
+    Json(json!({"stripe": stripe, "github": github, "adyen": adyen, "standard": standard}))
 }

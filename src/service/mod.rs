@@ -335,6 +335,11 @@ impl Flow {
                 Err(refusal) => return Ok(self.error(key_refused(&self.labels, refusal))),
             },
         };
+        let signed = self.cfg.signature.as_ref().map(|f| f(&parts, &bytes));
+        if let Some(Err(err)) = signed {
+            self.labels.outcome(Outcome::SignatureInvalid);
+            return Ok(self.error(err));
+        }
 
         // 4. Fingerprint. 5. Record id: the store never sees the raw key.
         // The path the client sent: inside axum's nested routers `parts.uri` lost its prefix.

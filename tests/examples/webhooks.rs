@@ -27,6 +27,10 @@ use tower::ServiceExt;
 use tower_idempotency::store::{AdminStore, MemoryStore, RecordId, RecordStatus};
 
 const SECRET: &[u8] = b"whsec_test";
+/// The Standard Webhooks sender's current secret (the spec's example) and the one it
+/// rotates out (the reference Rust library's test secret).
+const STANDARD_SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+const STANDARD_OLD_SECRET: &str = "whsec_C2FVsBQIhrscChlQIMV+b5sSYspob7oD";
 const DAY: Duration = Duration::from_secs(24 * 60 * 60);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -184,16 +188,21 @@ fn receivers_keeping(
     hold: Option<app::Hold>,
     max_response_body: Option<NonZeroUsize>,
 ) -> Receivers {
-    let config = app::WebhooksConfig {
-        secret: SECRET.to_vec(),
-        hold,
-        max_response_body,
-    };
-    let (router, processed) = app::app(store.clone(), config);
+    let (router, processed) = app::app(store.clone(), config(hold, max_response_body));
     Receivers {
         router,
         processed,
         store,
+    }
+}
+
+fn config(hold: Option<app::Hold>, max_response_body: Option<NonZeroUsize>) -> app::WebhooksConfig {
+    app::WebhooksConfig {
+        secret: SECRET.to_vec(),
+        standard: tower_idempotency::StandardWebhooks::new([STANDARD_SECRET, STANDARD_OLD_SECRET])
+            .unwrap(),
+        hold,
+        max_response_body,
     }
 }
 
@@ -486,6 +495,11 @@ async fn processed_counts_each_sender_and_is_not_a_webhook() {
         send(&r.router, sender.delivery("default", "evt_1", 0)).await;
     }
     send(&r.router, Sender::Stripe.delivery("default", "evt_2", 0)).await;
+    send(
+        &r.router,
+        standard("msg_1", STANDARD_BODY, now(), STANDARD_SECRET),
+    )
+    .await;
     let res = send(
         &r.router,
         Request::get("/webhooks/processed")
@@ -496,8 +510,228 @@ async fn processed_counts_each_sender_and_is_not_a_webhook() {
     assert_eq!(res.status(), 200);
     assert_eq!(
         json(res).await,
-        serde_json::json!({"stripe": 2, "github": 1, "adyen": 1})
+        serde_json::json!({"stripe": 2, "github": 1, "adyen": 1, "standard": 1})
     );
+}
+
+const STANDARD_BODY: &str =
+    r#"{"type":"invoice.paid","timestamp":"2026-12-01T18:03:50Z","data":{"id":"in_1"}}"#;
+
+/// Seconds since the epoch: the layer checks `webhook-timestamp` against the wall clock,
+/// which paused tokio time does not move.
+fn now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+}
+
+/// A Standard Webhooks delivery of message `id`, signed at `signed_at` with `secret` as a
+/// sender signs it, by hand here (not with the crate's code): `v1,` and the base64
+/// HMAC-SHA256 of `{id}.{signed_at}.{body}`, keyed with the base64-decoded secret.
+fn standard(id: &str, body: &str, signed_at: u64, secret: &str) -> Request<Body> {
+    let signature = standard_signature(id, body, signed_at, secret);
+    Request::post("/webhooks/standard")
+        .header("content-type", "application/json")
+        .header("webhook-id", id)
+        .header("webhook-timestamp", signed_at.to_string())
+        .header("webhook-signature", signature)
+        .body(Body::from(body.to_owned()))
+        .unwrap()
+}
+
+fn standard_signature(id: &str, body: &str, signed_at: u64, secret: &str) -> String {
+    use base64::Engine as _;
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let key = b64.decode(secret.strip_prefix("whsec_").unwrap()).unwrap();
+    let mut mac = Hmac::<Sha256>::new_from_slice(&key).unwrap();
+    mac.update(format!("{id}.{signed_at}.{body}").as_bytes());
+    format!("v1,{}", b64.encode(mac.finalize().into_bytes()))
+}
+
+fn standard_record(id: &str) -> RecordId {
+    // The default webhook scope: the endpoint.
+    RecordId::new(Some("endpoint /webhooks/standard"), id)
+}
+
+#[test]
+fn the_tests_own_standard_webhooks_signer_reproduces_the_spec_vector() {
+    assert_eq!(
+        standard_signature(
+            "msg_p5jXN8AQM9LWM0D4loKWxJek",
+            r#"{"test": 2432232314}"#,
+            1614265330,
+            STANDARD_SECRET
+        ),
+        "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE="
+    );
+}
+
+/// A signed delivery runs once; each redelivery, signed afresh by the sender (a new
+/// timestamp, a new signature), and one signed with the secret being rotated out, replays.
+async fn standard_webhooks_deliveries_run_once_and_redeliveries_replay(store: Arc<dyn AdminStore>) {
+    let r = receivers(store, None);
+    let id = fresh("msg");
+    let before = r.processed.standard();
+    let first = send(
+        &r.router,
+        standard(&id, STANDARD_BODY, now(), STANDARD_SECRET),
+    )
+    .await;
+    assert_eq!(first.status(), StatusCode::OK);
+    assert!(!replayed(&first));
+    assert_eq!(json(first).await, serde_json::json!({"received": true}));
+    assert_eq!(r.processed.standard(), before + 1);
+
+    for (label, secret) in [("current", STANDARD_SECRET), ("old", STANDARD_OLD_SECRET)] {
+        let again = send(&r.router, standard(&id, STANDARD_BODY, now() + 1, secret)).await;
+        assert_eq!(again.status(), StatusCode::OK, "{label}");
+        assert!(replayed(&again), "{label}");
+        assert_eq!(json(again).await, serde_json::json!({"received": true}));
+    }
+    assert_eq!(r.processed.standard(), before + 1, "ran once");
+
+    let info = r.store.inspect(&standard_record(&id)).await.unwrap();
+    let info = info.expect("the record is on the store");
+    assert_eq!(info.status, RecordStatus::Completed);
+    assert!(
+        info.expires_in >= 7 * DAY - Duration::from_secs(300),
+        "{:?}",
+        info.expires_in
+    );
+
+    let other = send(
+        &r.router,
+        standard(&fresh("msg"), STANDARD_BODY, now(), STANDARD_SECRET),
+    )
+    .await;
+    assert!(other.status().is_success() && !replayed(&other));
+    assert_eq!(r.processed.standard(), before + 2, "another id runs");
+}
+
+#[tokio::test]
+async fn on_memory_a_standard_webhooks_delivery_runs_once_and_its_redeliveries_replay() {
+    standard_webhooks_deliveries_run_once_and_redeliveries_replay(Arc::new(MemoryStore::new()))
+        .await;
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn on_redis_a_standard_webhooks_delivery_runs_once_and_its_redeliveries_replay() {
+    let Some(store) = redis().await else { return };
+    standard_webhooks_deliveries_run_once_and_redeliveries_replay(store).await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn on_postgres_a_standard_webhooks_delivery_runs_once_and_its_redeliveries_replay() {
+    let Some(store) = postgres().await else {
+        return;
+    };
+    standard_webhooks_deliveries_run_once_and_redeliveries_replay(store).await;
+}
+
+/// Every forged, tampered, unsigned or stale delivery is `401` `signature-invalid` and
+/// makes no store call at all: nothing claimed, nothing stored. The genuine delivery of
+/// the same id then runs.
+#[tokio::test]
+async fn a_standard_webhooks_delivery_with_a_bad_signature_is_401_and_the_store_is_untouched() {
+    let store = Arc::new(crate::support::CountingStore::default());
+    let (router, processed) = app::app(store.clone(), config(None, None));
+    let id = "msg_p5jXN8AQM9LWM0D4loKWxJek";
+    let at = now();
+    let tolerance = 5 * 60;
+    let with = |f: &dyn Fn(&mut Request<Body>)| {
+        let mut req = standard(id, STANDARD_BODY, at, STANDARD_SECRET);
+        f(&mut req);
+        req
+    };
+    let other_secret = "whsec_dGhpcyBpcyBub3QgdGhlIHNlbmRlcidzIGtleSBhdCBhbGw=";
+    let tampered = STANDARD_BODY.replace("in_1", "in_2");
+    let cases: Vec<(&str, Request<Body>)> = vec![
+        (
+            "another secret",
+            standard(id, STANDARD_BODY, at, other_secret),
+        ),
+        ("a tampered body", {
+            let mut req = standard(id, &tampered, at, STANDARD_SECRET);
+            let signature = standard_signature(id, STANDARD_BODY, at, STANDARD_SECRET);
+            req.headers_mut()
+                .insert("webhook-signature", signature.parse().unwrap());
+            req
+        }),
+        (
+            "no signature",
+            with(&|req| {
+                req.headers_mut().remove("webhook-signature");
+            }),
+        ),
+        (
+            "no timestamp",
+            with(&|req| {
+                req.headers_mut().remove("webhook-timestamp");
+            }),
+        ),
+        (
+            "a garbage signature",
+            with(&|req| {
+                let garbage = format!("v1,{}", "A".repeat(43)) + "=";
+                req.headers_mut()
+                    .insert("webhook-signature", garbage.parse().unwrap());
+            }),
+        ),
+        (
+            "too old",
+            standard(id, STANDARD_BODY, at - tolerance - 60, STANDARD_SECRET),
+        ),
+        (
+            "too new",
+            standard(id, STANDARD_BODY, at + tolerance + 60, STANDARD_SECRET),
+        ),
+    ];
+    for (label, req) in cases {
+        let res = send(&router, req).await;
+        assert_eq!(res.status(), StatusCode::UNAUTHORIZED, "{label}");
+        assert_eq!(
+            res.headers()["content-type"],
+            "application/problem+json",
+            "{label}"
+        );
+        let problem = json(res).await;
+        assert_eq!(
+            problem["type"],
+            tower_idempotency::ErrorKind::SignatureInvalid.type_uri(),
+            "{label}"
+        );
+        assert_eq!(problem["status"], 401, "{label}");
+        assert_eq!(store.total(), 0, "{label}: no store call");
+    }
+    // No `webhook-id`: the key is missing, `400`, and nothing is stored either.
+    let res = send(
+        &router,
+        with(&|req| {
+            req.headers_mut().remove("webhook-id");
+        }),
+    )
+    .await;
+    assert_eq!(res.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(
+        json(res).await["detail"],
+        "the webhook id in the `webhook-id` header is missing"
+    );
+    assert_eq!(store.total(), 0, "no id: no store call");
+    assert_eq!(
+        tower_idempotency::store::IdempotencyAdmin::inspect(&store.inner, &standard_record(id))
+            .await
+            .unwrap(),
+        None
+    );
+    assert_eq!(processed.standard(), 0, "nothing ran");
+
+    let genuine = send(&router, standard(id, STANDARD_BODY, at, STANDARD_SECRET)).await;
+    assert_eq!(genuine.status(), StatusCode::OK);
+    assert_eq!(processed.standard(), 1, "the genuine delivery runs");
+    assert_eq!(store.claims.load(Ordering::SeqCst), 1);
 }
 
 #[cfg(feature = "redis")]
