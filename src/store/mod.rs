@@ -409,6 +409,8 @@ pub struct StoreError {
 
 /// A state of the backend that its store logs once, when it begins and ends: the layer counts
 /// the calls it refused rather than logging each.
+// Only the Redis store reports outages today.
+#[cfg_attr(not(feature = "redis"), allow(dead_code))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Outage {
     /// A failover of the primary is under way: writes are held.
@@ -440,6 +442,7 @@ impl StoreError {
     }
 
     /// Marks an error caused by `outage`, which the store logs itself.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) fn during(mut self, outage: Outage) -> Self {
         self.outage = Some(outage);
         self
