@@ -270,6 +270,8 @@
 //! Errors the layer makes are responses, never `Err`: `problem+json` (RFC 9457) with a stable
 //! `type` per kind ([`problems`]) and `Cache-Control: no-store`, or a gRPC status for gRPC
 //! requests. The typed [`IdempotencyError`] is in the response extensions.
+//! [`IdempotencyLayer::with_error_renderer`] replaces the HTTP form; [`render::stripe`]
+//! answers in Stripe's error shape, which the Stripe SDKs raise as their own errors.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod abandoned;
@@ -287,6 +289,7 @@ mod metrics;
 mod policy;
 mod recording;
 mod recovery;
+pub mod render;
 mod response;
 mod service;
 pub mod store;
