@@ -218,6 +218,9 @@
 //! `client::IdempotentRetryLayer` does that for any tower HTTP client (hyper-util, tonic
 //! channels): `cargo run --example client` pays the shop through it, and `examples/herd`
 //! shows what jitter does to a thundering herd.
+//! The [`clients_guide`] covers the clients that send keys themselves (the Stripe and
+//! Stainless-generated SDKs, browsers), why a key must name the business intent, what each
+//! answer means to each client, and the CORS set-up.
 //!
 //! # Choosing a store
 //!
@@ -427,6 +430,9 @@ pub mod resumable {}
 
 #[doc = include_str!("docs/webhooks.md")]
 pub mod webhooks_guide {}
+
+#[doc = include_str!("docs/clients.md")]
+pub mod clients_guide {}
 
 /// The README's Rust blocks, run as doctests so that its code keeps compiling.
 #[cfg(doctest)]
