@@ -222,6 +222,21 @@ impl Key {
         self.optional
     }
 
+    /// Where the key is read, part by part, for an API description: each part's header
+    /// name, or `None` and where in the body it is. `None` for a key from a function.
+    #[cfg(feature = "utoipa")]
+    pub(crate) fn places(&self) -> Option<Vec<(Option<HeaderName>, String)>> {
+        let place = |p: &KeyPart| match &p.0 {
+            Part::Header(name) => (Some(name.clone()), p.place(false)),
+            _ => (None, p.place(false)),
+        };
+        match &self.source {
+            Source::One(p) => Some(vec![place(p)]),
+            Source::Joined(parts) => Some(parts.iter().map(place).collect()),
+            Source::Fn(_) => None,
+        }
+    }
+
     /// Whether the key can only be read once the body is buffered.
     pub(crate) fn reads_body(&self) -> bool {
         match &self.source {

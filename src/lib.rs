@@ -247,6 +247,7 @@
 //! | `axum` | no | fingerprints of the path the client sent inside nested routers (`OriginalUri`), which **changes the fingerprints of nested routes** ([more](#the-axum-feature-nested-routers-and-the-extractor)); [`IdempotencyContext`] as an extractor of its own (without the feature, use `Extension<IdempotencyContext>`); `MatchedPath` route labels for `metrics` |
 //! | `conformance` | no | `conformance`: the store conformance suite, to test a custom store |
 //! | `metrics` | no | counters and histograms through the `metrics` facade (0.24): outcomes, store latency, body sizes, waits; names in `docs/operations.md` |
+//! | `utoipa` | no | `openapi::document`: the key parameter, the `Idempotent-Replayed` header and the problem responses in a `utoipa` (5.x) OpenAPI document, for the operations a layer covers |
 //!
 //! # Operations
 //!
@@ -307,6 +308,10 @@ pub use crate::axum::MissingIdempotencyContext;
 #[cfg(feature = "conformance")]
 #[cfg_attr(docsrs, doc(cfg(feature = "conformance")))]
 pub mod conformance;
+
+#[cfg(feature = "utoipa")]
+#[cfg_attr(docsrs, doc(cfg(feature = "utoipa")))]
+pub mod openapi;
 
 pub use abandoned::Abandoned;
 pub use body::{RequestBody, ResponseBody};

@@ -2,6 +2,9 @@
 
 #[path = "card.rs"]
 pub(crate) mod card;
+#[cfg(feature = "utoipa")]
+#[path = "openapi.rs"]
+pub(crate) mod openapi;
 #[path = "payments.rs"]
 pub(crate) mod payments;
 
@@ -121,6 +124,9 @@ pub(crate) fn app_with(
         .with_state(shop.clone())
         // The simulated card network, outside the layer: it dedupes by its own key.
         .merge(card::router(shop.ledger.clone()));
+    // The API description, outside the layer and the auth.
+    #[cfg(feature = "utoipa")]
+    let router = router.merge(openapi::router(&idempotency));
     (router, shop, idempotency)
 }
 

@@ -8,7 +8,8 @@
 //! `CARD_LATENCY_MS`, `IDEMPOTENCY_LEASE_MS` and `IDEMPOTENCY_TTL_SECS` tune it.
 //! `ADMIN_TOKEN` mounts the admin routes (`/admin/idempotency/{scope}/{key}`) behind that
 //! bearer token; `--features metrics,axum` serves `GET /metrics` (Prometheus, with axum's
-//! matched path as the route label).
+//! matched path as the route label); `--features utoipa` serves `GET /openapi.json`, the API
+//! with the idempotency layer's contract on its `POST` routes.
 //! `SHOP_IDEMPOTENCY=off` serves the same handlers without the layer, and `noop` behind a
 //! layer that does nothing (the load script's baselines, `bench/load.sh`).
 //!

@@ -23,6 +23,8 @@ mod example_stores;
 mod operations;
 mod shop;
 mod shop_admin;
+#[cfg(feature = "utoipa")]
+mod shop_openapi;
 #[cfg(all(feature = "metrics", feature = "axum"))]
 mod shop_operations;
 mod tracing;
