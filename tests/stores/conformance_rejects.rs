@@ -197,11 +197,10 @@ async fn rejected(defect: Defect) -> HistoryFailure {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn histories_reject_a_store_that_fences_one_generation_back_but_not_two() {
     passes_the_single_step_checks(Defect::FencesOneGenerationBackOnly).await;
-    let failure = rejected(Defect::FencesOneGenerationBackOnly).await;
-    assert!(
-        failure.minimal.iter().any(|l| l.contains("claim(s) back")),
-        "{failure}"
-    );
+    // Rejected with a short history; which symptom the shrunk history keeps (a token two
+    // claims back answered Ok, the first holder's after lost claim replies) depends on the
+    // seed, so only the rejection is asserted.
+    rejected(Defect::FencesOneGenerationBackOnly).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -214,6 +213,7 @@ async fn histories_reject_a_store_whose_released_takeover_keeps_its_point() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn histories_reject_a_store_whose_third_release_erases_the_keys_history() {
     passes_the_single_step_checks(Defect::ThirdReleaseErasesHistory).await;
-    let failure = rejected(Defect::ThirdReleaseErasesHistory).await;
-    assert!(failure.violation.contains("generation"), "{failure}");
+    // Rejected with a short history; the erased history shows as a new first claim, a
+    // stale token's release answered Ok, or a `get` finding no record, by the seed.
+    rejected(Defect::ThirdReleaseErasesHistory).await;
 }
