@@ -528,7 +528,7 @@ fn parse(raw: &[u8]) -> Result<String, KeyError> {
 }
 
 /// The rules every key is held to, wherever it came from.
-fn check(key: Vec<u8>) -> Result<String, KeyError> {
+pub(crate) fn check(key: Vec<u8>) -> Result<String, KeyError> {
     if key.is_empty() {
         return Err(KeyError::Empty);
     }

@@ -29,7 +29,7 @@ pub struct IdempotencyLayer {
     pub(crate) config: Arc<Config>,
     /// Wait mode's registry: runtime state, not configuration. Made once here, so every
     /// service this layer makes (one per connection, say) coalesces its waiters with the rest.
-    waiters: Arc<Waiters>,
+    pub(crate) waiters: Arc<Waiters>,
 }
 
 impl fmt::Debug for IdempotencyLayer {

@@ -290,6 +290,7 @@ mod grpc;
 mod key;
 mod layer;
 mod metrics;
+pub mod operation;
 mod policy;
 mod recording;
 mod recovery;
@@ -438,6 +439,9 @@ pub mod webhooks_guide {}
 
 #[doc = include_str!("docs/clients.md")]
 pub mod clients_guide {}
+
+#[doc = include_str!("docs/beyond_http.md")]
+pub mod beyond_http {}
 
 /// The README's Rust blocks, run as doctests so that its code keeps compiling.
 #[cfg(doctest)]

@@ -84,6 +84,22 @@ impl Labels {
         Self {}
     }
 
+    /// The labels of an [operation](crate::operation): the layer's route label, protocol
+    /// `operation`.
+    #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+    pub(crate) fn operation(cfg: &Config) -> Self {
+        #[cfg(feature = "metrics")]
+        {
+            Self {
+                route: cfg.route_label.clone(),
+                protocol: "operation",
+                store: cfg.store.name(),
+            }
+        }
+        #[cfg(not(feature = "metrics"))]
+        Self {}
+    }
+
     /// Counts one keyed request by its answer.
     pub(crate) fn outcome(&self, outcome: Outcome) {
         let outcome = outcome.as_str();

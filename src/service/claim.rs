@@ -18,18 +18,18 @@ use crate::metrics::{timed, Labels};
 use crate::store::record::RecordId;
 use crate::store::{Claim, ClaimOutcome, StoreError};
 
-pub(super) type ClaimFuture =
+pub(crate) type ClaimFuture =
     Pin<Box<dyn Future<Output = Result<ClaimOutcome, StoreError>> + Send>>;
 
 /// A claim in flight. Dropped before it resolves (its deadline passed, or its response
 /// future was dropped), it finishes on its own task and releases the claim if it won it, so
 /// the key is not held for a whole lease by a request that will never run.
-pub(super) struct PendingClaim {
-    pub(super) future: Option<ClaimFuture>,
-    pub(super) cfg: Arc<Config>,
-    pub(super) labels: Labels,
-    pub(super) id: RecordId,
-    pub(super) sent: Instant,
+pub(crate) struct PendingClaim {
+    pub(crate) future: Option<ClaimFuture>,
+    pub(crate) cfg: Arc<Config>,
+    pub(crate) labels: Labels,
+    pub(crate) id: RecordId,
+    pub(crate) sent: Instant,
 }
 
 impl Future for PendingClaim {
@@ -51,7 +51,7 @@ impl PendingClaim {
     /// won, releases it within the same window, so the 503 that follows leaves the key free
     /// for a retry sent at once. A release that fails goes on in the background; a reply
     /// later than `until` is left to the task `drop` starts.
-    pub(super) async fn release_if_won(&mut self, until: Instant) {
+    pub(crate) async fn release_if_won(&mut self, until: Instant) {
         let Ok(Ok(ClaimOutcome::Claimed(claim))) = within(until, &mut *self).await else {
             return;
         };

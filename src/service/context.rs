@@ -52,7 +52,29 @@ impl fmt::Debug for IdempotencyContext {
     }
 }
 
+tokio::task_local! {
+    /// The context of the operation whose work this task is running.
+    static CURRENT: IdempotencyContext;
+}
+
+/// Runs `work` with `ctx` as its [`IdempotencyContext::current`].
+pub(crate) async fn with_current<F: std::future::Future>(
+    ctx: IdempotencyContext,
+    work: F,
+) -> F::Output {
+    CURRENT.scope(ctx, work).await
+}
+
 impl IdempotencyContext {
+    /// The context of the [operation](crate::operation) whose work is running on this task:
+    /// for a service behind an [`OperationLayer`](crate::operation::OperationLayer), which
+    /// has no request extensions to find it in. `None` anywhere else: in an HTTP handler
+    /// (take it from the request's extensions, or with the axum extractor), and on a task the
+    /// work spawned (pass it a clone).
+    pub fn current() -> Option<Self> {
+        CURRENT.try_with(Clone::clone).ok()
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         key: Option<Arc<str>>,
@@ -128,6 +150,11 @@ impl IdempotencyContext {
     /// (`PostgresStore::save_recovery_point_in`).
     pub fn recovery_point_for(&self, step: &str, data: Bytes) -> Result<RecoveryPoint, StoreError> {
         RecoveryPoint::new(step, data, self.scope_id, self.generation())
+    }
+
+    /// The largest answer kept whole: the layer's `max_response_body`.
+    pub(crate) fn max_answer(&self) -> usize {
+        self.config.max_response_body
     }
 
     /// How long the recorded answer is kept: the layer's retention TTL.

@@ -20,13 +20,13 @@ const FAR_FUTURE: Duration = Duration::from_secs(30 * 365 * 24 * 3600);
 
 /// `at + d`, or far in the future where that would overflow: a "wait forever" or "keep
 /// forever" setting must not panic.
-pub(super) fn deadline(at: Instant, d: Duration) -> Instant {
+pub(crate) fn deadline(at: Instant, d: Duration) -> Instant {
     at.checked_add(d).unwrap_or_else(|| at + FAR_FUTURE)
 }
 
 /// Runs one store call under `until`. Past it the outcome is unknown, not failed: the call
 /// may still take effect, so no caller reads a timeout as "did not happen".
-pub(super) async fn bounded<T>(
+pub(crate) async fn bounded<T>(
     until: Instant,
     call: impl Future<Output = Result<T, StoreError>>,
 ) -> Result<T, StoreError> {
@@ -40,7 +40,7 @@ pub(super) async fn bounded<T>(
 /// first poll (an in-memory store call, a body already received): a `Sleep` takes the runtime
 /// handle, a shared atomic, even when it never fires. A ready future wins either way, as it
 /// does in `timeout_at`, which also polls the future first.
-pub(super) async fn within<F: Future>(
+pub(crate) async fn within<F: Future>(
     until: Instant,
     future: F,
 ) -> Result<F::Output, tokio::time::error::Elapsed> {
@@ -76,10 +76,10 @@ async fn at_first_poll<F: Future>(mut future: std::pin::Pin<&mut F>) -> Option<F
 
 /// The holder's view of its lease. Every instant is taken when a call was *sent*, so the
 /// local estimate of the lease's end is never later than the store's own.
-pub(super) struct Lease {
-    pub(super) length: Duration,
+pub(crate) struct Lease {
+    pub(crate) length: Duration,
     every: Duration,
-    pub(super) timeout: Duration,
+    pub(crate) timeout: Duration,
     state: Mutex<LeaseState>,
 }
 
@@ -91,7 +91,7 @@ struct LeaseState {
 }
 
 impl Lease {
-    pub(super) fn new(sent: Instant, timing: &crate::Timing) -> Self {
+    pub(crate) fn new(sent: Instant, timing: &crate::Timing) -> Self {
         let length = timing.lease();
         Self {
             length,
@@ -111,7 +111,7 @@ impl Lease {
     }
 
     /// The local estimate of when the lease lapses.
-    pub(super) fn end(&self) -> Instant {
+    pub(crate) fn end(&self) -> Instant {
         deadline(self.state().renewed, self.length)
     }
 

@@ -29,26 +29,27 @@ use crate::error::{ErrorKind, IdempotencyError};
 use crate::fingerprint::fingerprint;
 use crate::grpc::Grpc;
 use crate::key::Refusal;
-use crate::metrics::{timed, Event, Labels, Outcome};
+use crate::metrics::{timed, Labels, Outcome};
 use crate::policy::{decide, is_grpc, RecordDecision, ResponseInfo};
 use crate::response;
 use crate::store::record::{Completion, Fingerprint, RecordId, RecordState, ScopeId, Token};
 use crate::store::{Claim, ClaimOutcome, ClaimRequest, StoreError, StoreErrorKind};
+pub(crate) use context::with_current;
 pub use context::IdempotencyContext;
 
 mod buffer;
 mod calls;
-use calls::panic_message;
+pub(crate) use calls::{panic_message, took_over, Holder};
 mod claim;
 mod deadline;
+pub(crate) use deadline::{bounded, deadline, within, Lease};
 mod future;
 mod key;
 mod wait;
 
 use buffer::{buffer_body, content_length, BodyError, Work};
-use claim::PendingClaim;
+pub(crate) use claim::PendingClaim;
 pub(crate) use deadline::within_for;
-use deadline::{deadline, within, Lease};
 pub use future::ResponseFuture;
 use key::{key_refused, Echo};
 pub(crate) use wait::Waiters;
@@ -462,6 +463,15 @@ fn outcome(name: Outcome) {
 }
 
 impl Keyed {
+    /// The store calls of this request's claim.
+    fn holder(&self) -> calls::Holder<'_> {
+        calls::Holder {
+            cfg: &self.flow.cfg,
+            labels: &self.flow.labels,
+            id: &self.id,
+        }
+    }
+
     /// Adds the published TTL to a recorded answer or a replay, when configured.
     fn publish_ttl(&self, headers: &mut HeaderMap) {
         if let Some(ttl) = &self.flow.cfg.ttl_value {
@@ -636,25 +646,15 @@ impl Keyed {
     {
         tracing::Span::current().record("generation", token.generation());
         if takeover {
-            self.flow.labels.event(Event::Takeover);
-            tracing::warn!(generation = token.generation(), "took over a claim whose lease lapsed; the earlier attempt may have done part of the work");
-            if let Some(hook) = &self.flow.cfg.on_abandoned {
-                // Generations grow by one per takeover.
-                let abandoned = crate::Abandoned {
-                    scope: self.scope.clone(),
-                    record: self.id,
-                    old_generation: token.generation().saturating_sub(1),
-                    new_generation: token.generation(),
-                    abandoned_for: lapsed_for,
-                };
-                if let Err(panic) = std::panic::catch_unwind(AssertUnwindSafe(|| hook(&abandoned)))
-                {
-                    tracing::error!(
-                        panic = panic_message(&*panic),
-                        "the abandoned-key hook panicked; the request runs"
-                    );
-                }
-            }
+            let scope = self.scope.clone();
+            took_over(
+                &self.flow.cfg,
+                &self.flow.labels,
+                scope,
+                self.id,
+                &token,
+                lapsed_for,
+            );
         }
         // What a recorded answer's `Vary` names is known only once it exists: keep the
         // request's headers until then, for the layer and for a handler that records itself.
@@ -681,7 +681,7 @@ impl Keyed {
         let result = tokio::select! {
             biased;
             r = work => r,
-            never = self.renew(&token, lease) => match never {},
+            never = self.holder().renew(&token, lease) => match never {},
         };
         let (delivery, after) = match result {
             Err(panic) => {
@@ -715,8 +715,8 @@ impl Keyed {
     /// or a streamed answer to settle when its stream ends.
     async fn after(&self, after: After, token: &Token, lease: &Lease) {
         let (status, head, extension, end) = match after {
-            After::Release => return self.release(token, lease).await,
-            After::CheckRecorded => return self.check_recorded_by_handler(token).await,
+            After::Release => return self.holder().release(token, lease).await,
+            After::CheckRecorded => return self.holder().check_recorded_by_handler(token).await,
             After::Stream {
                 status,
                 head,
@@ -728,7 +728,7 @@ impl Keyed {
         let ended = tokio::select! {
             biased;
             ended = end => ended,
-            never = self.renew(token, lease) => match never {},
+            never = self.holder().renew(token, lease) => match never {},
         };
         let (how, go) = match ended {
             Ok(StreamEnd { how, go }) => (Ok(how), Some(go)),
@@ -761,8 +761,8 @@ impl Keyed {
             let _ = go.send(());
         }
         match rest {
-            Some(After::Release) => self.release(token, lease).await,
-            Some(After::CheckRecorded) => self.check_recorded_by_handler(token).await,
+            Some(After::Release) => self.holder().release(token, lease).await,
+            Some(After::CheckRecorded) => self.holder().check_recorded_by_handler(token).await,
             Some(After::Stream { .. }) | None => {}
         }
     }
@@ -877,12 +877,12 @@ impl Keyed {
                     Completion::Response(_) => Outcome::Executed,
                     Completion::Tombstone { .. } => Outcome::Tombstoned,
                 });
-                self.complete(token, &completion, lease).await;
+                self.holder().complete(token, &completion, lease).await;
                 (Some(completion), None)
             }
             Settlement::Release => {
                 self.outcome(Outcome::Released);
-                let first = self.release_once(token, lease.timeout).await;
+                let first = self.holder().release_once(token, lease.timeout).await;
                 (None, first.is_err().then_some(After::Release))
             }
             Settlement::AlreadyRecorded => {

@@ -20,8 +20,8 @@ pub(crate) struct Waiters {
 }
 
 /// One waiting request; leaving (dropped) frees its place under the cap.
-pub(super) struct WaitTicket {
-    pub(super) changed: tokio::sync::watch::Receiver<bool>,
+pub(crate) struct WaitTicket {
+    pub(crate) changed: tokio::sync::watch::Receiver<bool>,
     waiters: Arc<Waiters>,
 }
 
@@ -39,7 +39,7 @@ impl Waiters {
     }
 
     /// Listens for a change of `id`, starting its poller if none runs; `None` past the cap.
-    pub(super) fn join(self: &Arc<Self>, cfg: &Arc<Config>, id: RecordId) -> Option<WaitTicket> {
+    pub(crate) fn join(self: &Arc<Self>, cfg: &Arc<Config>, id: RecordId) -> Option<WaitTicket> {
         let waiters = self.clone();
         if waiters.waiting.fetch_add(1, AtomicOrdering::Relaxed) >= cfg.in_progress.max_waiters {
             waiters.waiting.fetch_sub(1, AtomicOrdering::Relaxed);
