@@ -479,6 +479,24 @@ pub(crate) fn encode<T, C: Codec<T>>(
     )))
 }
 
+/// What a [`RecoveryWorker`](crate::RecoveryWorker)'s recover function returns to finish an
+/// operation's record: `value` encoded as the operation records it (a 200 with the codec's
+/// media type), so that the next attempt of the operation reads `value` back. The worker
+/// runs operations' records beside HTTP ones: it tells them apart by what its recover
+/// function finds in the [`RecoveryPoint`](crate::RecoveryPoint) the work saved.
+pub fn recovered<T, C: Codec<T>>(
+    codec: &C,
+    value: &T,
+) -> Result<http::Response<Bytes>, CodecError> {
+    let body = codec.encode(value)?;
+    let mut response = http::Response::new(body);
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static(codec.media_type()),
+    );
+    Ok(response)
+}
+
 /// A claim whose work is still running. Dropped so (the caller dropped the future), it ends
 /// the claim's lease at once on a task of its own, keeping the record and its recovery point:
 /// the next attempt takes over without waiting a lease, and knows it is a takeover.

@@ -28,6 +28,7 @@
 //!   cargo test --all-features --test reliability histories::memory -- --nocapture
 //! ```
 
+mod front;
 mod journal;
 
 use crate::support::backend::backend_url;
@@ -45,8 +46,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use bytes::Bytes;
+use front::Front;
 use futures_util::FutureExt;
 use http::{HeaderValue, Request, Response, StatusCode};
+use http_body_util::BodyExt;
 use http_body_util::Full;
 use journal::{point_of, Journal, Snapshot};
 use tokio::sync::Notify;
@@ -254,6 +257,7 @@ impl Stats {
 }
 
 struct World {
+    front: Front,
     journal: Arc<Journal>,
     ids: Vec<RecordId>,
     ctls: Mutex<HashMap<u64, Arc<Ctl>>>,
@@ -423,22 +427,26 @@ impl World {
         Bytes::from(body.to_string())
     }
 
-    /// The handler.
+    /// The handler, behind the HTTP layer.
     async fn handle(
         self: Arc<Self>,
         req: Request<RequestBody<Full<Bytes>>>,
     ) -> Result<Response<Full<Bytes>>, Infallible> {
-        let reply = |status: StatusCode, body: Bytes| {
-            let mut res = Response::new(Full::new(body));
-            *res.status_mut() = status;
-            Ok(res)
-        };
         let ctx = req
             .extensions()
             .get::<IdempotencyContext>()
             .cloned()
             .expect("a keyed request");
         let number: u64 = req.headers()["x-req"].to_str().unwrap().parse().unwrap();
+        let (status, body) = self.work(ctx, number).await;
+        let mut res = Response::new(Full::new(body));
+        *res.status_mut() = status;
+        Ok(res)
+    }
+
+    /// What request `number` does under `ctx`, behind either front: its status and body.
+    async fn work(self: Arc<Self>, ctx: IdempotencyContext, number: u64) -> (StatusCode, Bytes) {
+        let reply = |status: StatusCode, body: Bytes| (status, body);
         let Some(ctl) = lock(&self.ctls).get(&number).cloned() else {
             return reply(StatusCode::IM_A_TEAPOT, Bytes::new());
         };
@@ -466,7 +474,7 @@ impl World {
         }
         let body = Self::answer(exec, &ctx, "handler");
         self.finish(exec, Some(body.clone()));
-        reply(StatusCode::CREATED, body)
+        reply(self.front.ok(), body)
     }
 
     /// The worker's recover function.
@@ -481,7 +489,7 @@ impl World {
                 let body = Self::answer(exec, &ctx, "worker");
                 self.finish(exec, Some(body.clone()));
                 let mut res = Response::new(body);
-                *res.status_mut() = StatusCode::CREATED;
+                *res.status_mut() = self.front.ok();
                 Ok(res)
             }
             Recover::Err => {
@@ -620,7 +628,7 @@ impl World {
                         "{who}: answered {status} before its handler finished"
                     ));
                 }
-                if status == StatusCode::CREATED && produced.as_ref() != Some(&body) {
+                if status == self.front.ok() && produced.as_ref() != Some(&body) {
                     self.flag(format!(
                         "{who}: answered {shown}, not what its handler produced"
                     ));
@@ -643,12 +651,9 @@ impl World {
 
 // ---- running a history ---------------------------------------------------------------------
 
-type Svc = tower::util::BoxCloneService<
-    Request<Full<Bytes>>,
-    Response<ResponseBody<Full<Bytes>>>,
-    Infallible,
->;
-type Answer = Result<Response<ResponseBody<Full<Bytes>>>, Infallible>;
+type Svc = tower::util::BoxCloneService<Request<Full<Bytes>>, Response<AnswerBody>, Infallible>;
+type AnswerBody = http_body_util::combinators::UnsyncBoxBody<Bytes, Infallible>;
+type Answer = Result<Response<AnswerBody>, Infallible>;
 type InFlight = Pin<Box<dyn Future<Output = Answer> + Send>>;
 type Recovering = Pin<Box<dyn Future<Output = Result<Response<Bytes>, BoxError>> + Send>>;
 
@@ -657,6 +662,8 @@ type Recovering = Pin<Box<dyn Future<Output = Result<Response<Bytes>, BoxError>>
 #[derive(Clone)]
 struct Backend {
     name: &'static str,
+    /// What the histories' requests go through.
+    front: Front,
     store: Arc<dyn AdminStore>,
     lease: Duration,
     store_timeout: Duration,
@@ -743,6 +750,12 @@ where
                 Behave::Die => {
                     self.world.set_stopped(number, true);
                     die(fut);
+                }
+                _ if self.backend.front == Front::Operation => {
+                    // The caller drops the operation: its work stops with it (never polled
+                    // again), and the claim's lease is ended for the next attempt.
+                    self.world.set_stopped(number, true);
+                    drop(fut);
                 }
                 _ => {
                     // The client is gone: the layer finishes the work on a task.
@@ -909,6 +922,7 @@ async fn run(backend: &Backend, history: &History) -> (Vec<String>, Stats) {
         .collect();
     let journal = Arc::new(Journal::new(backend.store.clone(), backend.lease, &names));
     let world = Arc::new(World {
+        front: backend.front,
         journal: journal.clone(),
         ids: ids.clone(),
         ctls: Mutex::default(),
@@ -927,10 +941,16 @@ async fn run(backend: &Backend, history: &History) -> (Vec<String>, Stats) {
     let layer = IdempotencyLayer::new(journal.clone() as Arc<dyn IdempotencyStore>)
         .unscoped()
         .with_timing(timing);
-    let svc: Svc = {
-        let world = world.clone();
-        let inner = service_fn(move |req| world.clone().handle(req));
-        tower::util::BoxCloneService::new(layer.clone().layer(inner))
+    let svc: Svc = match backend.front {
+        Front::Http => {
+            let world = world.clone();
+            let inner = service_fn(move |req| world.clone().handle(req));
+            let svc = layer.clone().layer(inner);
+            tower::util::BoxCloneService::new(svc.map_response(
+                |res: Response<ResponseBody<Full<Bytes>>>| res.map(BodyExt::boxed_unsync),
+            ))
+        }
+        Front::Operation => front::operations(&layer, world.clone()),
     };
     let worker = {
         let world = world.clone();
@@ -1073,8 +1093,8 @@ async fn histories(backend: Backend, histories: usize, budget: Duration) {
     quiet_deliberate_panics();
     let (seed, count, budget) = plan(histories, budget);
     eprintln!(
-        "{}: layer histories from seed {seed} (IDEMPOTENCY_LAYER_HISTORY_SEED={seed} replays them)",
-        backend.name
+        "{} ({:?}): layer histories from seed {seed} (IDEMPOTENCY_LAYER_HISTORY_SEED={seed} replays them)",
+        backend.name, backend.front
     );
     let started = std::time::Instant::now();
     let mut total = Stats::default();
@@ -1110,41 +1130,68 @@ async fn histories(backend: Backend, histories: usize, budget: Duration) {
     );
 }
 
-#[tokio::test(start_paused = true)]
-async fn memory() {
-    let backend = Backend {
+fn memory_backend(front: Front) -> Backend {
+    Backend {
         name: "memory",
+        front,
         store: Arc::new(tower_idempotency::store::MemoryStore::new()),
         lease: Duration::from_millis(600),
         store_timeout: Duration::from_millis(150),
-    };
-    histories(backend, 3000, Duration::from_secs(20)).await;
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn memory() {
+    histories(memory_backend(Front::Http), 3000, Duration::from_secs(20)).await;
+}
+
+/// The same histories through the operation API (`OperationLayer`).
+#[tokio::test(start_paused = true)]
+async fn memory_operations() {
+    histories(
+        memory_backend(Front::Operation),
+        2000,
+        Duration::from_secs(12),
+    )
+    .await;
 }
 
 #[cfg(feature = "redis")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis() {
+async fn redis_backend(front: Front) -> Option<Backend> {
     use tower_idempotency::store::redis::RedisStore;
-    let Some(url) = backend_url("IDEMPOTENCY_TEST_REDIS_URL") else {
-        return;
-    };
+    let url = backend_url("IDEMPOTENCY_TEST_REDIS_URL")?;
     let store = RedisStore::builder()
         .with_key_prefix(format!("{}:", nonce()))
         .connect(&url)
         .await
         .unwrap();
-    let backend = Backend {
+    Some(Backend {
         name: "redis",
+        front,
         store: Arc::new(store),
         lease: Duration::from_millis(450),
         store_timeout: Duration::from_millis(140),
-    };
-    histories(backend, 60, Duration::from_secs(25)).await;
+    })
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis() {
+    if let Some(backend) = redis_backend(Front::Http).await {
+        histories(backend, 60, Duration::from_secs(25)).await;
+    }
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_operations() {
+    if let Some(backend) = redis_backend(Front::Operation).await {
+        histories(backend, 40, Duration::from_secs(15)).await;
+    }
 }
 
 #[cfg(feature = "postgres")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres() {
+async fn postgres_histories(front: Front, count: usize, budget: Duration) {
     use crate::support::pg;
     let Some(url) = pg::url() else {
         return;
@@ -1153,10 +1200,23 @@ async fn postgres() {
     let store = pg::store_in(&url, &schema, 4, "tidem-histories").await;
     let backend = Backend {
         name: "postgres",
+        front,
         store: Arc::new(store),
         lease: Duration::from_millis(450),
         store_timeout: Duration::from_millis(140),
     };
-    histories(backend, 60, Duration::from_secs(25)).await;
+    histories(backend, count, budget).await;
     schema.drop_now().await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres() {
+    postgres_histories(Front::Http, 60, Duration::from_secs(25)).await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_operations() {
+    postgres_histories(Front::Operation, 40, Duration::from_secs(15)).await;
 }
