@@ -113,6 +113,17 @@
 //! the point instead of starting over. The [`resumable`] guide shows the pattern, what to put
 //! in a point, and the window that remains between a step and its save.
 //!
+//! # Beyond HTTP: jobs, queue consumers, any service
+//!
+//! The same protocol runs work that is not an HTTP request: [`operation::Operations::once`]
+//! for a function or a job (`ops.once(scope, key, &input, |ctx| async { … })`), and
+//! [`operation::OperationLayer`] for a `tower::Service<R>` of any request type, with answers
+//! recorded through a codec (serde JSON by default) and typed errors instead of statuses. The
+//! [`beyond_http`] guide covers queue consumers: what the key should be, how the lease meets
+//! a queue's redelivery, and the effect in the record's transaction for exactly once in
+//! effect. `examples/consumer` is a Redis Streams consumer group that applies each payment
+//! once.
+//!
 //! # Webhook receivers
 //!
 //! Webhooks come without an `Idempotency-Key`, but with the sender's own id of the event,

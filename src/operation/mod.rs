@@ -413,7 +413,7 @@ impl Run<'_> {
         match result {
             Err(panic) => {
                 self.outcome(Outcome::Released);
-                holder.release(&token, &lease).await;
+                self.settle(None, token, lease).await;
                 tracing::error!(
                     panic = panic_message(&*panic),
                     "the operation's work panicked; its key was released"
@@ -422,7 +422,7 @@ impl Run<'_> {
             }
             Ok(Err(e)) => {
                 self.outcome(Outcome::Released);
-                holder.release(&token, &lease).await;
+                self.settle(None, token, lease).await;
                 Err(OnceError::Failed(e))
             }
             Ok(Ok(value)) => {
@@ -431,9 +431,33 @@ impl Run<'_> {
                     Completion::Response(_) => Outcome::Executed,
                     Completion::Tombstone { .. } => Outcome::Tombstoned,
                 });
-                holder.complete(&token, &completion, &lease).await;
+                self.settle(Some(completion), token, lease).await;
                 Ok(value)
             }
+        }
+    }
+
+    /// Records `completion`, or releases the claim (`None`), retrying while the lease lives.
+    /// On a task of its own: a caller that drops the operation once its work is done must
+    /// not cancel the record (the key would stay held for a lease, then run again) or the
+    /// release.
+    async fn settle(&self, completion: Option<Completion>, token: Token, lease: Lease) {
+        let (cfg, labels, id) = (self.cfg.clone(), self.labels.clone(), self.id);
+        let settle = async move {
+            let holder = Holder {
+                cfg: &cfg,
+                labels: &labels,
+                id: &id,
+            };
+            match completion {
+                Some(completion) => holder.complete(&token, &completion, &lease).await,
+                None => holder.release(&token, &lease).await,
+            }
+        }
+        .in_current_span();
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => drop(runtime.spawn(settle).await),
+            Err(_) => settle.await,
         }
     }
 
