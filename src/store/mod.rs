@@ -257,6 +257,8 @@ pub mod redis;
 pub mod postgres;
 
 pub use memory::MemoryStore;
+mod tier;
+pub use tier::{Invalidation, LocalTier};
 
 /// Re-exported for store authors: the trait's methods are `#[async_trait]`.
 pub use async_trait::async_trait;
@@ -564,6 +566,15 @@ pub trait IdempotencyStore: Send + Sync + 'static {
         Err(StoreError::new(StoreErrorKind::Unsupported))
     }
 
+    /// The store's invalidation feed, for a [`LocalTier`] on another process: every
+    /// operator's delete of a completed record, as it happens, with [`Invalidation::Lost`]
+    /// and [`Invalidation::Live`] around any time the feed cannot hear them. Called from
+    /// inside the runtime; `None` (the default) where the store has none, and a tier then
+    /// bounds staleness by its `max_age` alone.
+    fn invalidations(&self) -> Option<tokio::sync::broadcast::Receiver<Invalidation>> {
+        None
+    }
+
     /// A short, fixed name for the `store` label of the layer's metrics (`"memory"`,
     /// `"redis"`, `"postgres"`). Default `"custom"`.
     fn name(&self) -> &'static str {
@@ -615,6 +626,10 @@ impl<T: IdempotencyStore + ?Sized> IdempotencyStore for Arc<T> {
 
     async fn recoverable(&self, limit: usize) -> Result<Vec<(RecordId, Record)>, StoreError> {
         (**self).recoverable(limit).await
+    }
+
+    fn invalidations(&self) -> Option<tokio::sync::broadcast::Receiver<Invalidation>> {
+        (**self).invalidations()
     }
 
     fn name(&self) -> &'static str {

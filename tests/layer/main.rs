@@ -1,5 +1,5 @@
 //! The layer through its front doors: a plain tower `service_fn`, axum, tonic, the
-//! fingerprint, `Vary` and rejected input, all on the memory store.
+//! fingerprint, `Vary` and rejected input, on the memory store; the local tier on every store.
 
 #[path = "../support/mod.rs"]
 mod support;
@@ -11,6 +11,7 @@ mod fingerprint;
 mod grpc;
 mod key_sources;
 mod layer;
+mod local_tier;
 mod panics;
 mod recovery_faults;
 mod vary;

@@ -439,7 +439,7 @@ impl IdempotencyStore for MemoryStore {
             .map
             .get(id)
             .filter(|e| e.expires_at > now)
-            .map(|e| e.record(now))
+            .map(|e| e.record(now).map(|r| r.with_expires_in(e.expires_at - now)))
             .transpose()
     }
 }

@@ -341,6 +341,7 @@
 
 mod body;
 mod executor;
+mod feed;
 mod migrate;
 mod ops;
 mod retry;
@@ -402,6 +403,10 @@ pub struct PostgresStore {
     /// When a pooled connection last found its server read-only (SQLSTATE 25006: a standby,
     /// or a primary fenced after a failover): connections opened before that are dropped.
     read_only_at: Arc<std::sync::Mutex<Option<std::time::Instant>>>,
+    /// The invalidation feed's sender, once a local tier asked for it (`feed.rs`).
+    feed: Arc<
+        std::sync::OnceLock<Option<tokio::sync::broadcast::Sender<crate::store::Invalidation>>>,
+    >,
 }
 
 /// Per-scope limits, as the quota function takes them (`NULL`: no limit).
@@ -552,6 +557,7 @@ impl PostgresStore {
             retries: Arc::new(AtomicU64::new(0)),
             quota,
             read_only_at: Arc::new(std::sync::Mutex::new(None)),
+            feed: Arc::default(),
         }
     }
 

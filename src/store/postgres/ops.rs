@@ -26,6 +26,12 @@ impl IdempotencyStore for PostgresStore {
         "postgres"
     }
 
+    fn invalidations(
+        &self,
+    ) -> Option<tokio::sync::broadcast::Receiver<crate::store::Invalidation>> {
+        self.feed()
+    }
+
     /// With per-scope quotas the claim counts the request's scope's records first; without
     /// quotas the scope is not read.
     async fn claim(&self, request: &ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
@@ -131,7 +137,18 @@ impl IdempotencyStore for PostgresStore {
         let rows = self
             .run(&self.sql.get, &[&id.as_bytes().as_slice()], true)
             .await?;
-        rows.first().map(decode_record).transpose()
+        let Some(row) = rows.first() else {
+            return Ok(None);
+        };
+        let record = decode_record(row)?;
+        // A completed record's time left, by the database's clock.
+        let left: Option<i64> = column(row, "ttl_us")?;
+        Ok(Some(match left {
+            Some(us) => {
+                record.with_expires_in(Duration::from_micros(u64::try_from(us).unwrap_or(0)))
+            }
+            None => record,
+        }))
     }
 
     async fn save_recovery_point(

@@ -99,7 +99,7 @@ impl rustls::client::danger::ServerCertVerifier for EncryptOnly {
 
 /// What `connect` built its pool from.
 pub(super) struct Owned {
-    config: tokio_postgres::Config,
+    pub(super) config: tokio_postgres::Config,
     pub(super) tls: Tls,
 }
 

@@ -66,6 +66,20 @@ impl RecordId {
     pub fn to_hex(&self) -> String {
         hex(&self.0)
     }
+
+    /// The id [`to_hex`](Self::to_hex) wrote (either case); `None` for anything else.
+    pub fn from_hex(text: &str) -> Option<Self> {
+        let text = text.as_bytes();
+        if text.len() != 64 {
+            return None;
+        }
+        let nibble = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
+        let mut bytes = [0u8; 32];
+        for (i, pair) in text.chunks_exact(2).enumerate() {
+            bytes[i] = nibble(pair[0])? << 4 | nibble(pair[1])?;
+        }
+        Some(Self(bytes))
+    }
 }
 
 /// The scope a record belongs to, as a hash: what a store counts per-scope quotas by.
@@ -474,6 +488,10 @@ pub struct Record {
     pub holder: Option<Token>,
     /// The last recovery point an attempt saved, while the record is in progress.
     pub recovery_point: Option<crate::store::RecoveryPoint>,
+    /// How long the record has left before it expires, by the store's clock, where the store
+    /// tells ([`get`](crate::store::IdempotencyStore::get) of the stores in this crate):
+    /// a [`LocalTier`](crate::store::LocalTier) keeps a completed record no longer.
+    pub expires_in: Option<Duration>,
 }
 
 impl Record {
@@ -485,7 +503,15 @@ impl Record {
             state,
             holder: None,
             recovery_point: None,
+            expires_in: None,
         }
+    }
+
+    /// The same record, expiring in `left` by the store's clock.
+    #[must_use]
+    pub fn with_expires_in(mut self, left: Duration) -> Self {
+        self.expires_in = Some(left);
+        self
     }
 
     /// The same record, holding `point` (in progress only).

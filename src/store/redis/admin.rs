@@ -17,7 +17,8 @@ impl RedisStore {
         let keys = self.keys(id);
         let state: &[u8] = if completed { b"c" } else { b"p" };
         let lua = &self.inner.scripts.remove;
-        let args: [&[u8]; 2] = [state, keys.id().as_bytes()];
+        let channel = self.invalidation_channel();
+        let args: [&[u8]; 3] = [state, keys.id().as_bytes(), channel.as_bytes()];
         match self
             .eval(lua, &keys, &args)
             .await

@@ -255,6 +255,7 @@ mod claim;
 mod connection;
 mod error;
 mod events;
+mod feed;
 mod follow;
 mod record;
 mod recovery;
@@ -322,6 +323,8 @@ struct Inner {
     /// Claims go as one plain `SET … NX PX … GET` (see [`plain_claim`]): no quota, and every
     /// node runs Redis 7 or later (read at setup; cleared should a node refuse the syntax).
     plain_claims: AtomicBool,
+    /// The invalidation feed's sender, once a local tier asked for it (`feed.rs`).
+    feed: std::sync::OnceLock<Option<tokio::sync::broadcast::Sender<crate::store::Invalidation>>>,
 }
 
 /// The keys a script on one record is given: the record's, then, with quotas, its scope
@@ -760,6 +763,12 @@ fn reconnecting() -> Failure {
 impl IdempotencyStore for RedisStore {
     fn name(&self) -> &'static str {
         "redis"
+    }
+
+    fn invalidations(
+        &self,
+    ) -> Option<tokio::sync::broadcast::Receiver<crate::store::Invalidation>> {
+        self.feed()
     }
 
     async fn claim(&self, request: &ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {

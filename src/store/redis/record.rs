@@ -202,10 +202,15 @@ pub(super) fn decode(value: Bytes, clock: Clock) -> Result<Found, StoreError> {
         }
         _ => return Err(corrupt("unknown record state")),
     };
+    let mut record = Record::new(Fingerprint::from_bytes(fingerprint), generation, state)
+        .with_holder(Token::from_parts(generation, nonce))
+        .with_recovery_point(point);
+    // A completed record lives as long as its key: the `PTTL` read beside it, when it was.
+    if let (RecordState::Completed(_), Some(left)) = (&record.state, clock.pttl_ms) {
+        record = record.with_expires_in(std::time::Duration::from_millis(left));
+    }
     Ok(Found {
-        record: Record::new(Fingerprint::from_bytes(fingerprint), generation, state)
-            .with_holder(Token::from_parts(generation, nonce))
-            .with_recovery_point(point),
+        record,
         nonce,
         lease_known,
     })

@@ -333,6 +333,7 @@ impl RedisStoreBuilder {
                 scripts,
                 quotas: self.quotas,
                 plain_claims: std::sync::atomic::AtomicBool::new(plain_claims),
+                feed: std::sync::OnceLock::new(),
             }),
         })
     }

@@ -1,0 +1,467 @@
+//! `LocalTier`: completed records served from the process, through the layer. A counting
+//! store under each tier tells a local answer (no claim reached the store) from a stored one.
+//!
+//! - replays of a completed record stop reaching the store once the tier has learned it, and
+//!   every check still applies (another body is refused, another scope never sees it);
+//! - an expired record is never served;
+//! - an operator's delete on process A makes process B run the next request (Redis pub/sub,
+//!   Postgres `NOTIFY`), each "process" a store with connections of its own;
+//! - without a feed, the documented bound: at most `max_age` of staleness.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::Full;
+use tokio::sync::broadcast;
+use tower::{service_fn, Layer, ServiceExt};
+use tower_idempotency::store::{
+    ClaimOutcome, ClaimRequest, Completion, IdempotencyAdmin, IdempotencyStore, Invalidation,
+    LocalTier, Record, RecordId, RecoveryPoint, StoreError, Token,
+};
+use tower_idempotency::{IdempotencyLayer, RequestBody, Timing};
+
+use crate::support::{body_bytes, post};
+
+/// Counts the claims that reach the store it wraps.
+struct Counted<S> {
+    inner: S,
+    claims: Arc<AtomicUsize>,
+}
+
+#[async_trait]
+impl<S: IdempotencyStore> IdempotencyStore for Counted<S> {
+    async fn claim(&self, request: &ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
+        self.claims.fetch_add(1, Ordering::SeqCst);
+        self.inner.claim(request).await
+    }
+    async fn extend(
+        &self,
+        id: &RecordId,
+        token: &Token,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
+        self.inner.extend(id, token, lease).await
+    }
+    async fn complete(
+        &self,
+        id: &RecordId,
+        token: &Token,
+        completion: &Completion,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        self.inner.complete(id, token, completion, ttl).await
+    }
+    async fn release(&self, id: &RecordId, token: &Token) -> Result<(), StoreError> {
+        self.inner.release(id, token).await
+    }
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        self.inner.get(id).await
+    }
+    async fn save_recovery_point(
+        &self,
+        id: &RecordId,
+        token: &Token,
+        point: &RecoveryPoint,
+    ) -> Result<(), StoreError> {
+        self.inner.save_recovery_point(id, token, point).await
+    }
+    fn invalidations(&self) -> Option<broadcast::Receiver<Invalidation>> {
+        self.inner.invalidations()
+    }
+}
+
+type Svc = tower::util::BoxCloneService<
+    Request<Full<Bytes>>,
+    Response<tower_idempotency::ResponseBody<Full<Bytes>>>,
+    std::convert::Infallible,
+>;
+
+/// One process: a tier over a counted store, the layer (scoped by `x-tenant`), and a handler
+/// that counts its runs.
+struct Process {
+    svc: Svc,
+    claims: Arc<AtomicUsize>,
+    runs: Arc<AtomicUsize>,
+}
+
+fn process<S: IdempotencyStore>(
+    name: &'static str,
+    store: S,
+    timing: Timing,
+    max_age: Duration,
+) -> Process {
+    let claims = Arc::new(AtomicUsize::new(0));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let tier = LocalTier::new(Counted {
+        inner: store,
+        claims: claims.clone(),
+    })
+    .with_max_age(max_age);
+    let layer = IdempotencyLayer::new(tier)
+        .with_timing(timing)
+        .with_scope(|req| {
+            req.headers
+                .get("x-tenant")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned)
+        });
+    let handler = {
+        let runs = runs.clone();
+        service_fn(move |_req: Request<RequestBody<Full<Bytes>>>| {
+            let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+            async move {
+                let mut res = Response::new(Full::new(Bytes::from(format!("{name} run {n}"))));
+                *res.status_mut() = StatusCode::CREATED;
+                Ok::<_, std::convert::Infallible>(res)
+            }
+        })
+    };
+    Process {
+        svc: tower::util::BoxCloneService::new(layer.layer(handler)),
+        claims,
+        runs,
+    }
+}
+
+impl Process {
+    async fn send(&self, tenant: &str, key: &str, body: &str) -> (StatusCode, String) {
+        let mut req = post("/pay", Some(key), body);
+        req.headers_mut()
+            .insert("x-tenant", http::HeaderValue::from_str(tenant).unwrap());
+        let res = self.svc.clone().oneshot(req).await.unwrap();
+        let status = res.status();
+        (
+            status,
+            String::from_utf8_lossy(&body_bytes(res).await).into_owned(),
+        )
+    }
+
+    /// Sends until a replay is answered without reaching the store (the tier has learned the
+    /// record, on a task of its own): at most `tries` sends.
+    async fn until_local(&self, tenant: &str, key: &str, expect: &str, tries: usize) {
+        for _ in 0..tries {
+            let before = self.claims.load(Ordering::SeqCst);
+            let (status, body) = self.send(tenant, key, "{}").await;
+            assert_eq!((status, body.as_str()), (StatusCode::CREATED, expect));
+            if self.claims.load(Ordering::SeqCst) == before {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("the tier never served {key} locally in {tries} sends");
+    }
+}
+
+fn timing(ttl: Duration) -> Timing {
+    Timing::new(Duration::from_millis(300), ttl).unwrap()
+}
+
+#[tokio::test(start_paused = true)]
+async fn memory_replays_stay_local_and_every_check_applies() {
+    let p = process(
+        "m",
+        tower_idempotency::store::MemoryStore::new(),
+        timing(Duration::from_secs(60)),
+        Duration::from_secs(30),
+    );
+    assert_eq!(
+        p.send("t1", "k", "{}").await,
+        (StatusCode::CREATED, "m run 1".into())
+    );
+    p.until_local("t1", "k", "m run 1", 20).await;
+    let claims = p.claims.load(Ordering::SeqCst);
+    for _ in 0..50 {
+        assert_eq!(
+            p.send("t1", "k", "{}").await,
+            (StatusCode::CREATED, "m run 1".into())
+        );
+    }
+    assert_eq!(
+        p.claims.load(Ordering::SeqCst),
+        claims,
+        "50 replays reached the store"
+    );
+    // Another body under the key: refused from the local record as from the stored one.
+    let (status, _) = p.send("t1", "k", r#"{"other":1}"#).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    // Another scope, the same key: its own record, never the cached one.
+    assert_eq!(
+        p.send("t2", "k", "{}").await,
+        (StatusCode::CREATED, "m run 2".into())
+    );
+    assert_eq!(p.runs.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn memory_an_expired_record_is_never_served() {
+    let p = process(
+        "m",
+        tower_idempotency::store::MemoryStore::new(),
+        timing(Duration::from_secs(2)),
+        Duration::from_secs(3600),
+    );
+    assert_eq!(p.send("t1", "k", "{}").await.1, "m run 1");
+    p.until_local("t1", "k", "m run 1", 20).await;
+    // Just before the record's TTL ends, counted from its completion, it may still be
+    // served; just after, the request runs again.
+    tokio::time::sleep(Duration::from_millis(2_050)).await;
+    assert_eq!(p.send("t1", "k", "{}").await.1, "m run 2");
+}
+
+#[tokio::test(start_paused = true)]
+async fn memory_without_a_feed_staleness_is_bounded_by_max_age() {
+    let store = Arc::new(tower_idempotency::store::MemoryStore::new());
+    let p = process(
+        "m",
+        store.clone(),
+        timing(Duration::from_secs(600)),
+        Duration::from_secs(5),
+    );
+    assert_eq!(p.send("t1", "k", "{}").await.1, "m run 1");
+    p.until_local("t1", "k", "m run 1", 20).await;
+    // An operator deletes the record behind the tier's back: the memory store has no feed.
+    let id = RecordId::new(Some("t1"), "k");
+    store.delete(&id).await.unwrap();
+    assert_eq!(
+        p.send("t1", "k", "{}").await.1,
+        "m run 1",
+        "served within max_age"
+    );
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(
+        p.send("t1", "k", "{}").await.1,
+        "m run 2",
+        "past max_age the store answers"
+    );
+}
+
+/// Process A deletes; process B, which served the record locally, runs the next request.
+async fn a_delete_on_one_process_reaches_the_other<S, A>(a: S, b: S, admin: A, name: &str)
+where
+    S: IdempotencyStore,
+    A: IdempotencyAdmin,
+{
+    let timing = timing(Duration::from_secs(600));
+    let (pa, pb) = (
+        process("A", a, timing, Duration::from_secs(600)),
+        process("B", b, timing, Duration::from_secs(600)),
+    );
+    let key = format!("k-{}", std::process::id());
+    assert_eq!(pa.send("t1", &key, "{}").await.1, "A run 1", "{name}");
+    pb.until_local("t1", &key, "A run 1", 100).await;
+    pa.until_local("t1", &key, "A run 1", 100).await;
+    let id = RecordId::new(Some("t1"), &key);
+    admin.delete(&id).await.unwrap();
+    // The removal reaches B over the store's feed: B stops serving it within moments.
+    let mut ran = None;
+    for _ in 0..100 {
+        let (status, body) = pb.send("t1", &key, "{}").await;
+        assert_eq!(status, StatusCode::CREATED, "{name}");
+        if body != "A run 1" {
+            ran = Some(body);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        ran.as_deref(),
+        Some("B run 1"),
+        "{name}: B never ran again after the delete"
+    );
+    assert_eq!(pb.runs.load(Ordering::SeqCst), 1, "{name}");
+    // And B's new answer is what A now replays (A heard of the delete too).
+    let mut replayed = false;
+    for _ in 0..100 {
+        if pa.send("t1", &key, "{}").await.1 == "B run 1" {
+            replayed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(replayed, "{name}: A did not replay B's new answer");
+    assert_eq!(
+        (
+            pa.runs.load(Ordering::SeqCst),
+            pb.runs.load(Ordering::SeqCst)
+        ),
+        (1, 1),
+        "{name}"
+    );
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_a_delete_on_one_process_makes_the_other_run_again() {
+    use tower_idempotency::store::redis::RedisStore;
+    let Some(url) = crate::support::backend::backend_url("IDEMPOTENCY_TEST_REDIS_URL") else {
+        return;
+    };
+    let prefix = format!("{}:", crate::support::load::run_id("tier"));
+    let connect = || {
+        RedisStore::builder()
+            .with_key_prefix(prefix.clone())
+            .connect(&url)
+    };
+    let (a, b, admin) = (
+        connect().await.unwrap(),
+        connect().await.unwrap(),
+        connect().await.unwrap(),
+    );
+    a_delete_on_one_process_reaches_the_other(a, b, admin, "redis").await;
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_an_expired_record_is_never_served() {
+    let Some(store) = crate::support::load::redis_store("tier-ttl").await else {
+        return;
+    };
+    let p = process(
+        "m",
+        store,
+        timing(Duration::from_millis(900)),
+        Duration::from_secs(600),
+    );
+    assert_eq!(p.send("t1", "k", "{}").await.1, "m run 1");
+    p.until_local("t1", "k", "m run 1", 40).await;
+    tokio::time::sleep(Duration::from_millis(950)).await;
+    assert_eq!(p.send("t1", "k", "{}").await.1, "m run 2");
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_delete_on_one_process_makes_the_other_run_again() {
+    use tower_idempotency::store::postgres::PostgresStore;
+    let Some(url) = crate::support::pg::url() else {
+        return;
+    };
+    let schema = crate::support::pg::TestSchema::create(&url, "tier").await;
+    let connect = || async {
+        let store = PostgresStore::builder()
+            .with_table(&schema.table())
+            .unwrap()
+            .connect(&url)
+            .await
+            .unwrap();
+        store.migrate().await.unwrap();
+        store
+    };
+    let (a, b, admin) = (connect().await, connect().await, connect().await);
+    a_delete_on_one_process_reaches_the_other(a, b, admin, "postgres").await;
+    schema.drop_now().await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_an_expired_record_is_never_served() {
+    let Some((store, schema)) = crate::support::load::postgres_store("tier_ttl").await else {
+        return;
+    };
+    let p = process(
+        "m",
+        store,
+        timing(Duration::from_millis(900)),
+        Duration::from_secs(600),
+    );
+    assert_eq!(p.send("t1", "k", "{}").await.1, "m run 1");
+    p.until_local("t1", "k", "m run 1", 40).await;
+    tokio::time::sleep(Duration::from_millis(950)).await;
+    assert_eq!(p.send("t1", "k", "{}").await.1, "m run 2");
+    schema.drop_now().await;
+}
+
+/// A delete while the feed is down is not missed: the tier serves nothing from memory until
+/// its subscription is back, and then forgets what it held.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_a_delete_while_the_feed_is_down_is_not_missed() {
+    use tower_idempotency::store::redis::RedisStore;
+    let Some(url) = crate::support::backend::backend_url("IDEMPOTENCY_TEST_REDIS_URL") else {
+        return;
+    };
+    let prefix = format!("{}:", crate::support::load::run_id("tier-lost"));
+    let connect = || {
+        RedisStore::builder()
+            .with_key_prefix(prefix.clone())
+            .connect(&url)
+    };
+    let (b, admin) = (connect().await.unwrap(), connect().await.unwrap());
+    let pb = process(
+        "B",
+        b,
+        timing(Duration::from_secs(600)),
+        Duration::from_secs(600),
+    );
+    assert_eq!(pb.send("t1", "k", "{}").await.1, "B run 1");
+    pb.until_local("t1", "k", "B run 1", 100).await;
+    // Every subscriber on the server loses its connection; the delete is published into the
+    // gap, before the feed subscribes again (it waits 100 ms first).
+    let client = redis::Client::open(url.as_str()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let killed: i64 = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("pubsub")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(killed >= 1, "no subscriber to kill");
+    admin.delete(&RecordId::new(Some("t1"), "k")).await.unwrap();
+    let mut ran = false;
+    for _ in 0..100 {
+        if pb.send("t1", "k", "{}").await.1 == "B run 2" {
+            ran = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(ran, "the delete made during the feed's gap was missed");
+}
+
+/// The tier is a store: it passes the store conformance suite (the model-based histories
+/// included), with its operator calls and its claims answered from memory where it can.
+#[cfg(feature = "conformance")]
+mod conformance_on_the_tier {
+    use std::sync::Arc;
+
+    use tower_idempotency::conformance::{DynAdminStore, DynStore};
+    use tower_idempotency::conformance_suite;
+    use tower_idempotency::store::{LocalTier, MemoryStore};
+
+    conformance_suite! {
+        store: async { Some(Arc::new(LocalTier::new(MemoryStore::new())) as DynStore) },
+        admin: async { Some(Arc::new(LocalTier::new(MemoryStore::new())) as DynAdminStore) },
+        recovery: async { Some(Arc::new(LocalTier::new(MemoryStore::new())) as DynStore) },
+    }
+}
+
+#[cfg(all(feature = "conformance", feature = "redis"))]
+mod conformance_on_the_tier_over_redis {
+    use std::sync::Arc;
+
+    use tower_idempotency::conformance::{DynAdminStore, DynStore};
+    use tower_idempotency::conformance_suite;
+    use tower_idempotency::store::redis::RedisStore;
+    use tower_idempotency::store::LocalTier;
+
+    async fn tier() -> Option<LocalTier<RedisStore>> {
+        let url = crate::support::backend::backend_url("IDEMPOTENCY_TEST_REDIS_URL")?;
+        let prefix = format!("{}:", crate::support::load::run_id("tier-conf"));
+        let store = RedisStore::builder()
+            .with_key_prefix(prefix)
+            .connect(&url)
+            .await
+            .unwrap();
+        Some(LocalTier::new(store))
+    }
+
+    conformance_suite! {
+        store: async { tier().await.map(|t| Arc::new(t) as DynStore) },
+        admin: async { tier().await.map(|t| Arc::new(t) as DynAdminStore) },
+        recovery: async { tier().await.map(|t| Arc::new(t) as DynStore) },
+    }
+}
