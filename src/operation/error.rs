@@ -60,6 +60,18 @@ impl<E> OnceError<E> {
     pub fn completed(&self) -> bool {
         matches!(self, Self::NotKept | Self::Undecodable(_))
     }
+
+    /// `true` when the same operation, tried again later, may end otherwise:
+    /// [`Failed`](Self::Failed), [`InProgress`](Self::InProgress) and
+    /// [`StoreUnavailable`](Self::StoreUnavailable). A queue consumer leaves such a message
+    /// for redelivery, and acknowledges (or parks) the rest: a completed operation, a
+    /// mismatch, an invalid input, which no retry changes.
+    pub fn retryable(&self) -> bool {
+        matches!(
+            self,
+            Self::Failed(_) | Self::InProgress { .. } | Self::StoreUnavailable { .. }
+        )
+    }
 }
 
 impl<E: fmt::Display> fmt::Display for OnceError<E> {
@@ -101,6 +113,47 @@ impl<E: std::error::Error + 'static> std::error::Error for OnceError<E> {
             Self::Invalid(e) => Some(e),
             Self::Undecodable(e) => Some(&**e),
             _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::StoreErrorKind;
+
+    #[test]
+    fn a_consumer_reads_which_errors_to_retry_and_which_to_acknowledge() {
+        let store = || StoreError::new(StoreErrorKind::Unavailable);
+        let second = Duration::from_secs(1);
+        let cases: [(OnceError<&str>, bool, bool); 7] = [
+            (OnceError::Failed("boom"), true, false),
+            (
+                OnceError::InProgress {
+                    retry_after: second,
+                },
+                true,
+                false,
+            ),
+            (
+                OnceError::StoreUnavailable {
+                    error: store(),
+                    retry_after: second,
+                },
+                true,
+                false,
+            ),
+            (OnceError::Mismatch, false, false),
+            (OnceError::Invalid(InvalidInput::KeyMissing), false, false),
+            (OnceError::NotKept, false, true),
+            (OnceError::Undecodable("x".into()), false, true),
+        ];
+        for (e, retryable, completed) in cases {
+            assert_eq!(
+                (e.retryable(), e.completed()),
+                (retryable, completed),
+                "{e}"
+            );
         }
     }
 }

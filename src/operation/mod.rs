@@ -123,7 +123,8 @@ impl Operations {
     /// 24 h retention, a 1 s store deadline, in-progress duplicates answered at once. Use
     /// [`IdempotencyLayer::operations`] for any other configuration.
     pub fn new(store: impl IdempotencyStore) -> Self {
-        IdempotencyLayer::new(store).unscoped().operations()
+        // Each operation names its scope: the layer's scope setting is never read here.
+        IdempotencyLayer::new(store).operations()
     }
 
     /// Runs `work` once for (`scope`, `key`) and `input`, and gives every later call the same
