@@ -64,11 +64,12 @@ start_shop() { # $1 = mode
   case "$1" in
     bare|noop) store=memory ;;
     memory) store=memory ;;
-    redis|idempotent) store=$REDIS_URL ;;
-    postgres) store=$POSTGRES_URL ;;
+    redis|redis-tier|idempotent) store=$REDIS_URL ;;
+    postgres|postgres-tier) store=$POSTGRES_URL ;;
   esac
   local bin=$SHOP; [ "$1" = idempotent ] && bin=$PEER
-  SHOP_ADDR=$ADDR CARD_LATENCY_MS=0 IDEMPOTENCY_TTL_SECS=600 RUST_LOG=warn \
+  local tier=0; case "$1" in *-tier) tier=1 ;; esac
+  SHOP_ADDR=$ADDR CARD_LATENCY_MS=0 IDEMPOTENCY_TTL_SECS=600 RUST_LOG=warn IDEMPOTENCY_LOCAL_TIER=$tier \
     SHOP_IDEMPOTENCY=$(case "$1" in bare) echo off ;; noop) echo noop ;; idempotent) echo idempotent ;; *) echo on ;; esac) IDEMPOTENCY_STORE=$store \
     "$bin" >/tmp/load-shop-$1.log 2>&1 &
   pid=$!
@@ -92,8 +93,8 @@ stop_shop() {
 # so socket reads do not count them.
 store_ops() {
   case "$1" in
-    redis|idempotent) redis-cli -u "$REDIS_URL" info commandstats | awk -F'[=,:]' '/^cmdstat_/ {s+=$3} END {print s+0}' ;;
-    postgres) psql -Atq "$POSTGRES_URL" -c "select xact_commit + xact_rollback from pg_stat_database where datname = current_database()" ;;
+    redis|redis-tier|idempotent) redis-cli -u "$REDIS_URL" info commandstats | awk -F'[=,:]' '/^cmdstat_/ {s+=$3} END {print s+0}' ;;
+    postgres|postgres-tier) psql -Atq "$POSTGRES_URL" -c "select xact_commit + xact_rollback from pg_stat_database where datname = current_database()" ;;
     *) echo 0 ;;
   esac
 }
@@ -105,8 +106,8 @@ ticks() { for p in "$@"; do awk '{print $14+$15+$16+$17}' "/proc/$p/stat" 2>/dev
 # The Redis server is the one REDIS_URL names (its process_id), not any redis-server running.
 server_pids() {
   case "$1" in
-    redis|idempotent) redis-cli -u "$REDIS_URL" info server | awk -F: '/^process_id:/ {print $2+0}' ;;
-    postgres) pgrep -x postgres ;;
+    redis|redis-tier|idempotent) redis-cli -u "$REDIS_URL" info server | awk -F: '/^process_id:/ {print $2+0}' ;;
+    postgres|postgres-tier) pgrep -x postgres ;;
   esac
 }
 HZ=$(getconf CLK_TCK)
@@ -143,8 +144,8 @@ export LOAD_RUN="$RUN_ID-$round"
 [ "$ROUNDS" -gt 1 ] && echo "round $round of $ROUNDS" >&2
 for mode in $MODES; do
   case "$mode" in
-    redis|idempotent) redis-cli -u "$REDIS_URL" ping >/dev/null 2>&1 || { echo "skipping $mode: $REDIS_URL does not answer" >&2; continue; } ;;
-    postgres) psql -Atq "$POSTGRES_URL" -c 'select 1' >/dev/null 2>&1 || { echo "skipping postgres: $POSTGRES_URL does not answer" >&2; continue; } ;;
+    redis|redis-tier|idempotent) redis-cli -u "$REDIS_URL" ping >/dev/null 2>&1 || { echo "skipping $mode: $REDIS_URL does not answer" >&2; continue; } ;;
+    postgres|postgres-tier) psql -Atq "$POSTGRES_URL" -c 'select 1' >/dev/null 2>&1 || { echo "skipping postgres: $POSTGRES_URL does not answer" >&2; continue; } ;;
   esac
   start_shop "$mode"
   cases="get unique replay"; [ "$mode" = noop ] && cases=get
@@ -168,7 +169,7 @@ for mode in $MODES; do
     SHOPCPU[$mode.$c]+=$(awk -v a="$cpu1" -v b="$cpu0" -v n="$n" -v hz="$HZ" 'BEGIN {printf "%.1f ", (a-b)*1e6/hz/n}')
     SRVCPU[$mode.$c]+=$(awk -v a="$srv1" -v b="$srv0" -v n="$n" -v hz="$HZ" -v s="$srv" 'BEGIN {if (s=="") printf "- "; else printf "%.1f ", (a-b)*1e6/hz/n}')
     RPS[$mode.$c]+="$rps "; P50[$mode.$c]+="$p50 "; P99[$mode.$c]+="$p99 "
-    if [ "$mode" = redis ] || [ "$mode" = idempotent ] || [ "$mode" = postgres ]; then
+    if [ "$store" != memory ]; then
       # The store_ops probe itself is one command (Redis INFO) or transaction.
       OPS[$mode.$c]+=$(awk -v a="$after" -v b="$before" -v n="$n" 'BEGIN {printf "%.2f ", (a-b-1)/n}')
     else

@@ -63,8 +63,17 @@ pub(crate) fn settings_from_env() -> Result<(Duration, Timing), BoxError> {
 /// `IDEMPOTENCY_REDIS_WAIT=<replicas>:<timeout_ms>`, each write waits for that many
 /// replicas) or `postgres://…` (feature `postgres`, migrated on start; a multi-host URL with
 /// `target_session_attrs=read-write` follows a promotion). With the operator API, for the
-/// shop's admin routes.
+/// shop's admin routes. `IDEMPOTENCY_LOCAL_TIER=1` puts a `LocalTier` in front of it.
 pub(crate) async fn store_from_env() -> Result<Arc<dyn AdminStore>, BoxError> {
+    let store = named_store().await?;
+    // `IDEMPOTENCY_LOCAL_TIER=1`: completed answers served from the process (`LocalTier`).
+    if std::env::var("IDEMPOTENCY_LOCAL_TIER").is_ok_and(|v| v == "1") {
+        return Ok(Arc::new(tower_idempotency::store::LocalTier::new(store)));
+    }
+    Ok(store)
+}
+
+async fn named_store() -> Result<Arc<dyn AdminStore>, BoxError> {
     let url = std::env::var("IDEMPOTENCY_STORE").unwrap_or_default();
     if url.is_empty() || url == "memory" {
         return Ok(Arc::new(MemoryStore::new()));
