@@ -12,6 +12,10 @@ mod support;
 mod conformance_rejects;
 #[cfg(feature = "conformance")]
 mod memory_store;
+mod operations;
+mod operations_errors;
+#[cfg(feature = "postgres")]
+mod operations_postgres;
 #[cfg(feature = "postgres")]
 mod postgres_layer;
 #[cfg(all(feature = "conformance", feature = "postgres"))]
