@@ -245,6 +245,10 @@
 //! writing your own, and the `conformance` feature (`tower_idempotency::conformance`) to run
 //! the suite against it from your own tests.
 //!
+//! [`store::LocalTier`] in front of any of them serves completed answers from the process:
+//! a replay costs no round trip, an operator's delete on any process reaches every tier
+//! (Redis pub/sub, Postgres `NOTIFY`), and no answer is served past its record's TTL.
+//!
 //! # Feature flags
 //!
 //! | feature | default | enables |

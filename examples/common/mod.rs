@@ -31,7 +31,7 @@ pub(crate) fn exit_status(name: &str, result: Result<(), BoxError>) -> std::proc
     std::process::ExitCode::FAILURE
 }
 
-/// Logs to stderr; `RUST_LOG` overrides the default `info`.
+/// Logs to stdout (tracing-subscriber's default); `RUST_LOG` overrides the default `info`.
 pub(crate) fn init_tracing() {
     tracing_subscriber::fmt()
         .with_env_filter(

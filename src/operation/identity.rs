@@ -68,6 +68,9 @@ impl std::error::Error for InvalidInput {
 /// Tags of what the fingerprint hashed, after the domain.
 const JSON: u8 = 1;
 const BYTES: u8 = 2;
+/// JSON the canonical form refuses, hashed as serde_json wrote it: not [`BYTES`], so it never
+/// matches the same bytes given to [`Identity::bytes`].
+const JSON_AS_WRITTEN: u8 = 3;
 
 impl Identity {
     /// The operation keyed `key`, whose input is `payload` serialized as JSON and hashed in
@@ -81,7 +84,7 @@ impl Identity {
             Some(digest) => fingerprint(JSON, &digest),
             // serde_json writes valid JSON; a value the canonical form refuses (a number
             // past its range) is hashed as the bytes serde_json wrote.
-            None => fingerprint(BYTES, &body),
+            None => fingerprint(JSON_AS_WRITTEN, &body),
         };
         Ok(Self {
             scope: None,

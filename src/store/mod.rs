@@ -9,7 +9,7 @@
 //! | [`extend`](IdempotencyStore::extend) | renew the lease of the token's claim |
 //! | [`complete`](IdempotencyStore::complete) | store the answer and start the retention TTL |
 //! | [`release`](IdempotencyStore::release) | end the claim, so a retry runs again: delete a first claim's record, keep a takeover's with its lease ended (see 10) |
-//! | [`get`](IdempotencyStore::get) | read a record (wait mode, operators) |
+//! | [`get`](IdempotencyStore::get) | read a record (wait mode, operators, a [`LocalTier`] learning a completed one with its [`expires_in`](Record::expires_in)) |
 //!
 //! # Guarantees every store gives
 //!
