@@ -169,7 +169,7 @@ for mode in $MODES; do
     SHOPCPU[$mode.$c]+=$(awk -v a="$cpu1" -v b="$cpu0" -v n="$n" -v hz="$HZ" 'BEGIN {printf "%.1f ", (a-b)*1e6/hz/n}')
     SRVCPU[$mode.$c]+=$(awk -v a="$srv1" -v b="$srv0" -v n="$n" -v hz="$HZ" -v s="$srv" 'BEGIN {if (s=="") printf "- "; else printf "%.1f ", (a-b)*1e6/hz/n}')
     RPS[$mode.$c]+="$rps "; P50[$mode.$c]+="$p50 "; P99[$mode.$c]+="$p99 "
-    if [ "$store" != memory ]; then
+    if [[ "$mode" == redis* || "$mode" == idempotent || "$mode" == postgres* ]]; then
       # The store_ops probe itself is one command (Redis INFO) or transaction.
       OPS[$mode.$c]+=$(awk -v a="$after" -v b="$before" -v n="$n" 'BEGIN {printf "%.2f ", (a-b-1)/n}')
     else

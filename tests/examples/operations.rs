@@ -644,3 +644,67 @@ async fn recoveries_are_counted_by_outcome() {
     assert_eq!(count("recovered"), recovered + 1);
     assert_eq!(count("failed"), failed + 1);
 }
+
+/// Operations are counted as HTTP requests are, under `protocol="operation"` and the layer's
+/// route label: executed, replayed, conflict, mismatch, released; the takeover event too.
+#[tokio::test(start_paused = true)]
+async fn operations_are_counted_under_their_own_protocol() {
+    use tower_idempotency::operation::OnceError;
+    let route = "jobs-metrics";
+    let counted = |outcome: &str| {
+        metrics().counter(
+            "idempotency_requests_total",
+            &[
+                ("route", route),
+                ("protocol", "operation"),
+                ("outcome", outcome),
+            ],
+        )
+    };
+    let before: Vec<u64> = ["executed", "replayed", "conflict", "mismatch", "released"]
+        .iter()
+        .map(|o| counted(o))
+        .collect();
+    let takeovers = events(route, "takeover");
+    let timing = Timing::new(Duration::from_secs(1), Duration::from_secs(60)).unwrap();
+    let ops = IdempotencyLayer::new(MemoryStore::new())
+        .with_route_label(route)
+        .with_timing(timing)
+        .operations();
+    let ok = |v: u32| async move { Ok::<u32, &str>(v) };
+    assert_eq!(ops.once("s", "a", &1, |_| ok(7)).await.unwrap(), 7);
+    assert_eq!(ops.once("s", "a", &1, |_| ok(8)).await.unwrap(), 7);
+    assert!(matches!(
+        ops.once("s", "a", &2, |_| ok(9)).await,
+        Err(OnceError::Mismatch)
+    ));
+    let failed = ops
+        .once("s", "b", &1, |_| async { Err::<u32, _>("boom") })
+        .await;
+    assert!(matches!(failed, Err(OnceError::Failed("boom"))));
+    // A holder that dies mid-work (never polled again), then a duplicate while it holds the
+    // key, then the takeover once its lease lapsed.
+    let gate = Arc::new(Notify::new());
+    let mut dead = Box::pin(ops.once("s", "c", &1, |_| {
+        let gate = gate.clone();
+        async move {
+            gate.notified().await;
+            Ok::<u32, &str>(1)
+        }
+    }));
+    assert!(futures_util::FutureExt::now_or_never(dead.as_mut()).is_none());
+    let busy = ops.once("s", "c", &1, |_| ok(2)).await;
+    assert!(matches!(busy, Err(OnceError::InProgress { .. })));
+    #[expect(clippy::mem_forget, reason = "a crash: no destructor may run")]
+    std::mem::forget(dead);
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    assert_eq!(ops.once("s", "c", &1, |_| ok(3)).await.unwrap(), 3);
+    let after: Vec<u64> = ["executed", "replayed", "conflict", "mismatch", "released"]
+        .iter()
+        .map(|o| counted(o))
+        .collect();
+    let delta: Vec<u64> = after.iter().zip(&before).map(|(a, b)| a - b).collect();
+    // executed: a, c (the takeover); replayed: a; conflict: c; mismatch: a; released: b.
+    assert_eq!(delta, [2, 1, 1, 1, 1]);
+    assert_eq!(events(route, "takeover") - takeovers, 1);
+}
