@@ -153,6 +153,7 @@ impl IdempotencyContext {
     }
 
     /// The largest answer kept whole: the layer's `max_response_body`.
+    #[cfg(feature = "postgres")]
     pub(crate) fn max_answer(&self) -> usize {
         self.config.max_response_body
     }
