@@ -1,25 +1,4 @@
 //! [`LocalTier`]: completed records served from the process.
-//!
-//! A completed record never changes until it expires or an operator deletes it, yet every
-//! replay on a networked store is a round trip. A `LocalTier` in front of the store keeps the
-//! completed records it has read, in a bounded least-recently-used map, and answers a claim of
-//! one without calling the store. The layer then applies every check as on a stored record:
-//! the fingerprint, the Vary guard, the scope (part of the record id).
-//!
-//! What bounds an entry's life:
-//! - the record's own expiry: an entry is kept no longer than the TTL the store reported
-//!   when it was read, counted from before the read, so it is never served past it;
-//! - an operator's delete, on any process: the store's invalidation feed
-//!   ([`IdempotencyStore::invalidations`]: Redis pub/sub on a single node or Sentinel,
-//!   Postgres `LISTEN`/`NOTIFY` on a store built with `connect`) drops it everywhere, usually
-//!   within a millisecond. While the feed is down the tier serves nothing from memory;
-//! - [`with_max_age`](LocalTier::with_max_age) (default 60 s), always: the staleness bound
-//!   where there is no feed (Redis Cluster, a pool you built, a custom store), and where a
-//!   feed's connection died silently.
-//!
-//! Only what the store answered is kept: a record this process completed is learned by the
-//! next claim that finds it (one `get` per record and process), since a handler that recorded
-//! its own answer may have stored another one than it returned.
 
 use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -59,18 +38,38 @@ const DEFAULT_MAX_AGE: Duration = Duration::from_secs(60);
 /// An entry's bookkeeping beyond its bytes: the map's slot, the record's fields.
 const ENTRY_OVERHEAD: usize = 256;
 
-/// An [`IdempotencyStore`] that serves completed records from the process; see the
-/// [module docs](self).
+/// An [`IdempotencyStore`] that serves completed records from the process.
+///
+/// A completed record never changes until it expires or an operator deletes it, yet every
+/// replay on a networked store is a round trip. A `LocalTier` in front of the store keeps the
+/// completed records it has read, in a bounded least-recently-used map, and answers a claim of
+/// one without calling the store. The layer then applies every check as on a stored record:
+/// the fingerprint, the Vary guard, the scope (part of the record id).
+///
+/// What bounds an entry's life:
+/// - the record's own expiry: an entry is kept no longer than the TTL the store reported
+///   when it was read, counted from before the read, so it is never served past it;
+/// - an operator's delete, on any process: the store's invalidation feed
+///   ([`IdempotencyStore::invalidations`]: Redis pub/sub on a single node or Sentinel,
+///   Postgres `LISTEN`/`NOTIFY` on a store built with `connect`) drops it everywhere as the
+///   notification arrives. While the feed is down the tier serves nothing from memory;
+/// - [`with_max_age`](LocalTier::with_max_age) (default 60 s), always: the staleness bound
+///   where there is no feed (Redis Cluster, a pool you built, a custom store), and where a
+///   feed's connection died silently.
+///
+/// Only what the store answered is kept: a record this process completed is learned by the
+/// next claim that finds it (one `get` per record and process), since a handler that recorded
+/// its own answer may have stored another one than it returned.
 ///
 /// ```
-/// use std::time::Duration;
+/// use std::{num::NonZeroUsize, time::Duration};
 /// use tower_idempotency::store::{LocalTier, MemoryStore};
 /// use tower_idempotency::IdempotencyLayer;
 ///
 /// // With Redis or Postgres in place of the memory store.
 /// let store = LocalTier::new(MemoryStore::new())
-///     .with_max_records(50_000)
-///     .with_max_bytes(256 << 20)
+///     .with_max_records(NonZeroUsize::new(50_000).unwrap())
+///     .with_max_bytes(NonZeroUsize::new(256 << 20).unwrap())
 ///     .with_max_age(Duration::from_secs(30));
 /// let layer = IdempotencyLayer::new(store).unscoped();
 /// # drop(layer);
