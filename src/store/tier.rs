@@ -35,6 +35,9 @@ const DEFAULT_RECORDS: usize = 10_000;
 const DEFAULT_BYTES: usize = 64 << 20;
 const DEFAULT_MAX_AGE: Duration = Duration::from_secs(60);
 
+/// How long learning a record may wait for the store's `get`.
+const LEARN_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// An entry's bookkeeping beyond its bytes: the map's slot, the record's fields.
 const ENTRY_OVERHEAD: usize = 256;
 
@@ -324,7 +327,11 @@ impl<S: IdempotencyStore> LocalTier<S> {
             let epoch = cache.epoch.load(Ordering::Acquire);
             // Before the read: the store's TTL counts from a later moment.
             let sent = Instant::now();
-            if let Ok(Some(record)) = inner.get(&id).await {
+            // Bounded: a read that never returns must not hold `id` in `learning` for ever
+            // (the tier would then never learn it). A late answer is as safe as a quick one:
+            // its entry counts from `sent`, and the epoch check drops it if a removal came.
+            let read = tokio::time::timeout(LEARN_TIMEOUT, inner.get(&id)).await;
+            if let Ok(Ok(Some(record))) = read {
                 if let (RecordState::Completed(_), Some(left)) = (&record.state, record.expires_in)
                 {
                     let until = sent + left.min(cache.max_age);
