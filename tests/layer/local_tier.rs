@@ -12,67 +12,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::Full;
-use tokio::sync::broadcast;
 use tower::{service_fn, Layer, ServiceExt};
-use tower_idempotency::store::{
-    ClaimOutcome, ClaimRequest, Completion, IdempotencyAdmin, IdempotencyStore, Invalidation,
-    LocalTier, Record, RecordId, RecoveryPoint, StoreError, Token,
-};
+use tower_idempotency::store::{IdempotencyAdmin, IdempotencyStore, LocalTier, RecordId};
 use tower_idempotency::{IdempotencyLayer, RequestBody, Timing};
 
-use crate::support::{body_bytes, post};
-
-/// Counts the claims that reach the store it wraps.
-struct Counted<S> {
-    inner: S,
-    claims: Arc<AtomicUsize>,
-}
-
-#[async_trait]
-impl<S: IdempotencyStore> IdempotencyStore for Counted<S> {
-    async fn claim(&self, request: &ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
-        self.claims.fetch_add(1, Ordering::SeqCst);
-        self.inner.claim(request).await
-    }
-    async fn extend(
-        &self,
-        id: &RecordId,
-        token: &Token,
-        lease: Duration,
-    ) -> Result<(), StoreError> {
-        self.inner.extend(id, token, lease).await
-    }
-    async fn complete(
-        &self,
-        id: &RecordId,
-        token: &Token,
-        completion: &Completion,
-        ttl: Duration,
-    ) -> Result<(), StoreError> {
-        self.inner.complete(id, token, completion, ttl).await
-    }
-    async fn release(&self, id: &RecordId, token: &Token) -> Result<(), StoreError> {
-        self.inner.release(id, token).await
-    }
-    async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
-        self.inner.get(id).await
-    }
-    async fn save_recovery_point(
-        &self,
-        id: &RecordId,
-        token: &Token,
-        point: &RecoveryPoint,
-    ) -> Result<(), StoreError> {
-        self.inner.save_recovery_point(id, token, point).await
-    }
-    fn invalidations(&self) -> Option<broadcast::Receiver<Invalidation>> {
-        self.inner.invalidations()
-    }
-}
+use crate::support::{body_bytes, post, Fault, FaultStore, Op};
 
 type Svc = tower::util::BoxCloneService<
     Request<Full<Bytes>>,
@@ -80,11 +27,11 @@ type Svc = tower::util::BoxCloneService<
     std::convert::Infallible,
 >;
 
-/// One process: a tier over a counted store, the layer (scoped by `x-tenant`), and a handler
-/// that counts its runs.
+/// One process: a tier over a store whose claims are counted ([`FaultStore`], breaking
+/// nothing), the layer (scoped by `x-tenant`), and a handler that counts its runs.
 struct Process {
     svc: Svc,
-    claims: Arc<AtomicUsize>,
+    claims: Box<dyn Fn() -> usize + Send + Sync>,
     runs: Arc<AtomicUsize>,
 }
 
@@ -94,13 +41,22 @@ fn process<S: IdempotencyStore>(
     timing: Timing,
     max_age: Duration,
 ) -> Process {
-    let claims = Arc::new(AtomicUsize::new(0));
+    process_over(name, FaultStore::new(store), timing, max_age)
+}
+
+/// [`process`] over a [`FaultStore`] the test breaks calls of.
+fn process_over<S: IdempotencyStore>(
+    name: &'static str,
+    counted: Arc<FaultStore<S>>,
+    timing: Timing,
+    max_age: Duration,
+) -> Process {
     let runs = Arc::new(AtomicUsize::new(0));
-    let tier = LocalTier::new(Counted {
-        inner: store,
-        claims: claims.clone(),
-    })
-    .with_max_age(max_age);
+    let claims = {
+        let counted = counted.clone();
+        Box::new(move || counted.calls(Op::Claim))
+    };
+    let tier = LocalTier::new(counted).with_max_age(max_age);
     let layer = IdempotencyLayer::new(tier)
         .with_timing(timing)
         .with_scope(|req| {
@@ -144,10 +100,10 @@ impl Process {
     /// record, on a task of its own): at most `tries` sends.
     async fn until_local(&self, tenant: &str, key: &str, expect: &str, tries: usize) {
         for _ in 0..tries {
-            let before = self.claims.load(Ordering::SeqCst);
+            let before = (self.claims)();
             let (status, body) = self.send(tenant, key, "{}").await;
             assert_eq!((status, body.as_str()), (StatusCode::CREATED, expect));
-            if self.claims.load(Ordering::SeqCst) == before {
+            if (self.claims)() == before {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -173,18 +129,14 @@ async fn memory_replays_stay_local_and_every_check_applies() {
         (StatusCode::CREATED, "m run 1".into())
     );
     p.until_local("t1", "k", "m run 1", 20).await;
-    let claims = p.claims.load(Ordering::SeqCst);
+    let claims = (p.claims)();
     for _ in 0..50 {
         assert_eq!(
             p.send("t1", "k", "{}").await,
             (StatusCode::CREATED, "m run 1".into())
         );
     }
-    assert_eq!(
-        p.claims.load(Ordering::SeqCst),
-        claims,
-        "50 replays reached the store"
-    );
+    assert_eq!((p.claims)(), claims, "50 replays reached the store");
     // Another body under the key: refused from the local record as from the stored one.
     let (status, _) = p.send("t1", "k", r#"{"other":1}"#).await;
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
@@ -194,6 +146,29 @@ async fn memory_replays_stay_local_and_every_check_applies() {
         (StatusCode::CREATED, "m run 2".into())
     );
     assert_eq!(p.runs.load(Ordering::SeqCst), 2);
+}
+
+/// A read that never returns does not stop the tier from learning the record later.
+#[tokio::test(start_paused = true)]
+async fn memory_a_hung_read_while_learning_is_given_up_and_tried_again() {
+    let faults = FaultStore::new(tower_idempotency::store::MemoryStore::new());
+    faults.on(Op::Get, 1, Fault::Hang);
+    let p = process_over(
+        "m",
+        faults.clone(),
+        timing(Duration::from_secs(600)),
+        Duration::from_secs(600),
+    );
+    assert_eq!(p.send("t1", "k", "{}").await.1, "m run 1");
+    // The first replay starts learning: its read hangs.
+    assert_eq!(p.send("t1", "k", "{}").await.1, "m run 1");
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    p.until_local("t1", "k", "m run 1", 20).await;
+    assert_eq!(
+        faults.calls(Op::Get),
+        2,
+        "the hung read, then one that answered"
+    );
 }
 
 #[tokio::test(start_paused = true)]

@@ -376,6 +376,11 @@ impl<S: IdempotencyStore> IdempotencyStore for FaultStore<S> {
         self.run(Op::Recoverable, self.inner.recoverable(limit))
             .await
     }
+    fn invalidations(
+        &self,
+    ) -> Option<tokio::sync::broadcast::Receiver<tower_idempotency::store::Invalidation>> {
+        self.inner.invalidations()
+    }
 }
 
 /// What the layer hands a handler in these tests.
