@@ -51,13 +51,13 @@ use tracing::Instrument;
 
 use crate::config::Config;
 use crate::layer::IdempotencyLayer;
-use crate::metrics::{timed, Labels, Outcome};
+use crate::metrics::{Labels, Outcome};
 use crate::service::{
-    bounded, deadline, panic_message, took_over, with_current, within, Chain, Holder,
-    IdempotencyContext, Lease, PendingClaim, Waiters,
+    bounded, claim_within, deadline, panic_message, took_over, with_current, Chain, Holder,
+    IdempotencyContext, Lease, Waiters,
 };
 use crate::store::record::{Completion, RecordId, RecordState, ScopeId, StoredResponse, Token};
-use crate::store::{ClaimOutcome, ClaimRequest, IdempotencyStore, StoreError, StoreErrorKind};
+use crate::store::{ClaimOutcome, IdempotencyStore, StoreErrorKind};
 
 mod codec;
 mod error;
@@ -270,40 +270,10 @@ impl Run<'_> {
         codec: &C,
     ) -> Step<T, E> {
         let cfg = &**self.cfg;
-        let (lease, ttl, timeout) = (
-            cfg.timing.lease(),
-            cfg.timing.ttl(),
-            cfg.timing.store_timeout(),
-        );
         let wait_until = cfg.in_progress.wait.map(|w| deadline(Instant::now(), w));
         loop {
-            let sent = Instant::now();
-            let mut pending = PendingClaim {
-                future: Some({
-                    let (store, id, fp, scope) =
-                        (cfg.store.clone(), self.id, *fingerprint, self.scope_id);
-                    let timer = self.labels.store_call("claim");
-                    Box::pin(async move {
-                        let request = ClaimRequest::new(&id, &fp, lease, ttl).in_scope(&scope);
-                        timed(timer, store.claim(&request)).await
-                    })
-                }),
-                cfg: self.cfg.clone(),
-                labels: self.labels.clone(),
-                id: self.id,
-                sent,
-            };
-            let outcome = match within(deadline(sent, timeout), &mut pending).await {
-                Ok(outcome) => outcome,
-                Err(elapsed) => {
-                    // Unknown, never read as claimed; a late win is released first.
-                    pending
-                        .release_if_won(deadline(Instant::now(), timeout))
-                        .await;
-                    Err(StoreError::with_source(StoreErrorKind::Unknown, elapsed))
-                }
-            };
-            drop(pending);
+            let (outcome, sent) =
+                claim_within(self.cfg, &self.labels, self.id, *fingerprint, self.scope_id).await;
             let record = match outcome {
                 Ok(ClaimOutcome::Claimed(claim)) => {
                     return Step::Won(Won {
@@ -359,15 +329,12 @@ impl Run<'_> {
                 }
                 RecordState::InProgress { lease_remaining } => {
                     if let Some(until) = wait_until {
-                        if let Some(mut ticket) = self.waiters.join(self.cfg, self.id) {
-                            let started = Instant::now();
-                            let changed =
-                                tokio::time::timeout_at(until, ticket.changed.wait_for(|c| *c))
-                                    .await;
-                            self.labels.waited(started.elapsed());
-                            if changed.is_ok() {
-                                continue;
-                            }
+                        let waiters = self.waiters;
+                        if waiters
+                            .wait_for_change(self.cfg, &self.labels, self.id, until)
+                            .await
+                        {
+                            continue;
                         }
                     }
                     self.outcome(Outcome::Conflict);

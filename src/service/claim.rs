@@ -15,21 +15,62 @@ use super::deadline::{bounded, deadline, retry_until, within};
 use super::Chain;
 use crate::config::Config;
 use crate::metrics::{timed, Labels};
-use crate::store::record::RecordId;
-use crate::store::{Claim, ClaimOutcome, StoreError};
+use crate::store::record::{Fingerprint, RecordId, ScopeId};
+use crate::store::{Claim, ClaimOutcome, ClaimRequest, StoreError, StoreErrorKind};
 
-pub(crate) type ClaimFuture =
+/// Step 6's one store call, for the layer's flow and for operations: a claim of `id` under
+/// the store deadline, and when it was sent (the lease counts from then). Past the deadline
+/// the outcome is unknown, never read as claimed, and a late reply that won the claim is
+/// released within one more store deadline, so a retry sent at once finds the key free.
+pub(crate) async fn claim_within(
+    cfg: &Arc<Config>,
+    labels: &Labels,
+    id: RecordId,
+    fp: Fingerprint,
+    scope: ScopeId,
+) -> (Result<ClaimOutcome, StoreError>, Instant) {
+    let (lease, ttl) = (cfg.timing.lease(), cfg.timing.ttl());
+    let timeout = cfg.timing.store_timeout();
+    // The lease clock starts here: the store cannot have started it earlier.
+    let sent = Instant::now();
+    let mut pending = PendingClaim {
+        future: Some({
+            let store = cfg.store.clone();
+            let timer = labels.store_call("claim");
+            Box::pin(async move {
+                let request = ClaimRequest::new(&id, &fp, lease, ttl).in_scope(&scope);
+                timed(timer, store.claim(&request)).await
+            })
+        }),
+        cfg: cfg.clone(),
+        labels: labels.clone(),
+        id,
+        sent,
+    };
+    let outcome = match within(deadline(sent, timeout), &mut pending).await {
+        Ok(outcome) => outcome,
+        Err(elapsed) => {
+            pending
+                .release_if_won(deadline(Instant::now(), timeout))
+                .await;
+            Err(StoreError::with_source(StoreErrorKind::Unknown, elapsed))
+        }
+    };
+    (outcome, sent)
+}
+
+pub(super) type ClaimFuture =
     Pin<Box<dyn Future<Output = Result<ClaimOutcome, StoreError>> + Send>>;
 
 /// A claim in flight. Dropped before it resolves (its deadline passed, or its response
 /// future was dropped), it finishes on its own task and releases the claim if it won it, so
 /// the key is not held for a whole lease by a request that will never run.
-pub(crate) struct PendingClaim {
-    pub(crate) future: Option<ClaimFuture>,
-    pub(crate) cfg: Arc<Config>,
-    pub(crate) labels: Labels,
-    pub(crate) id: RecordId,
-    pub(crate) sent: Instant,
+pub(super) struct PendingClaim {
+    pub(super) future: Option<ClaimFuture>,
+    pub(super) cfg: Arc<Config>,
+    pub(super) labels: Labels,
+    pub(super) id: RecordId,
+    pub(super) sent: Instant,
 }
 
 impl Future for PendingClaim {
@@ -51,7 +92,7 @@ impl PendingClaim {
     /// won, releases it within the same window, so the 503 that follows leaves the key free
     /// for a retry sent at once. A release that fails goes on in the background; a reply
     /// later than `until` is left to the task `drop` starts.
-    pub(crate) async fn release_if_won(&mut self, until: Instant) {
+    pub(super) async fn release_if_won(&mut self, until: Instant) {
         let Ok(Ok(ClaimOutcome::Claimed(claim))) = within(until, &mut *self).await else {
             return;
         };

@@ -29,11 +29,11 @@ use crate::error::{ErrorKind, IdempotencyError};
 use crate::fingerprint::fingerprint;
 use crate::grpc::Grpc;
 use crate::key::Refusal;
-use crate::metrics::{timed, Labels, Outcome};
+use crate::metrics::{Labels, Outcome};
 use crate::policy::{decide, is_grpc, RecordDecision, ResponseInfo};
 use crate::response;
 use crate::store::record::{Completion, Fingerprint, RecordId, RecordState, ScopeId, Token};
-use crate::store::{Claim, ClaimOutcome, ClaimRequest, StoreError, StoreErrorKind};
+use crate::store::{Claim, ClaimOutcome, StoreErrorKind};
 pub(crate) use context::with_current;
 pub use context::IdempotencyContext;
 
@@ -42,13 +42,13 @@ mod calls;
 pub(crate) use calls::{panic_message, took_over, Holder};
 mod claim;
 mod deadline;
-pub(crate) use deadline::{bounded, deadline, within, Lease};
+pub(crate) use deadline::{bounded, deadline, Lease};
 mod future;
 mod key;
 mod wait;
 
 use buffer::{buffer_body, content_length, BodyError, Work};
-pub(crate) use claim::PendingClaim;
+pub(crate) use claim::claim_within;
 pub(crate) use deadline::within_for;
 pub use future::ResponseFuture;
 use key::{key_refused, Echo};
@@ -489,40 +489,16 @@ impl Keyed {
 impl Keyed {
     async fn claim<B: Body>(&self, request: &HeaderMap) -> Step<B> {
         let cfg = &*self.flow.cfg;
-        let (lease, ttl) = (cfg.timing.lease(), cfg.timing.ttl());
-        let timeout = cfg.timing.store_timeout();
         let wait_until = cfg.in_progress.wait.map(|w| deadline(Instant::now(), w));
         loop {
-            // The lease clock starts here: the store cannot have started it earlier.
-            let sent = Instant::now();
-            let pending = PendingClaim {
-                future: Some({
-                    let (store, id, fp, scope) =
-                        (cfg.store.clone(), self.id, self.fp, self.scope_id);
-                    let timer = self.flow.labels.store_call("claim");
-                    Box::pin(async move {
-                        let request = ClaimRequest::new(&id, &fp, lease, ttl).in_scope(&scope);
-                        timed(timer, store.claim(&request)).await
-                    })
-                }),
-                cfg: self.flow.cfg.clone(),
-                labels: self.flow.labels.clone(),
-                id: self.id,
-                sent,
-            };
-            let mut pending = pending;
-            let outcome = match within(deadline(sent, timeout), &mut pending).await {
-                Ok(outcome) => outcome,
-                Err(elapsed) => {
-                    // Unknown: never read as claimed. A late reply that won the claim is
-                    // released before the 503, within one more store deadline.
-                    pending
-                        .release_if_won(deadline(Instant::now(), timeout))
-                        .await;
-                    Err(StoreError::with_source(StoreErrorKind::Unknown, elapsed))
-                }
-            };
-            drop(pending);
+            let (outcome, sent) = claim::claim_within(
+                &self.flow.cfg,
+                &self.flow.labels,
+                self.id,
+                self.fp,
+                self.scope_id,
+            )
+            .await;
             let record = match outcome {
                 Ok(ClaimOutcome::Claimed(claim)) => return Step::Claimed(claim, sent),
                 Ok(ClaimOutcome::Existing(record)) => record,
@@ -603,10 +579,11 @@ impl Keyed {
                 }
                 RecordState::InProgress { lease_remaining } => {
                     if let Some(until) = wait_until {
-                        let started = Instant::now();
-                        let changed = self.wait_for_change(until).await;
-                        self.flow.labels.waited(started.elapsed());
-                        if changed {
+                        let waiters = &self.flow.waiters;
+                        if waiters
+                            .wait_for_change(&self.flow.cfg, &self.flow.labels, self.id, until)
+                            .await
+                        {
                             continue;
                         }
                     }

@@ -9,7 +9,7 @@ use tokio::time::Instant;
 
 use super::deadline::{bounded, deadline, BACKOFF_MAX, BACKOFF_START};
 use crate::config::Config;
-use crate::metrics::timed;
+use crate::metrics::{timed, Labels};
 use crate::store::record::{RecordId, RecordState};
 
 /// Wait mode's registry: one poller per record id, many listeners.
@@ -20,8 +20,8 @@ pub(crate) struct Waiters {
 }
 
 /// One waiting request; leaving (dropped) frees its place under the cap.
-pub(crate) struct WaitTicket {
-    pub(crate) changed: tokio::sync::watch::Receiver<bool>,
+struct WaitTicket {
+    changed: tokio::sync::watch::Receiver<bool>,
     waiters: Arc<Waiters>,
 }
 
@@ -39,7 +39,7 @@ impl Waiters {
     }
 
     /// Listens for a change of `id`, starting its poller if none runs; `None` past the cap.
-    pub(crate) fn join(self: &Arc<Self>, cfg: &Arc<Config>, id: RecordId) -> Option<WaitTicket> {
+    fn join(self: &Arc<Self>, cfg: &Arc<Config>, id: RecordId) -> Option<WaitTicket> {
         let waiters = self.clone();
         if waiters.waiting.fetch_add(1, AtomicOrdering::Relaxed) >= cfg.in_progress.max_waiters {
             waiters.waiting.fetch_sub(1, AtomicOrdering::Relaxed);
@@ -102,14 +102,23 @@ fn jitter(pause: Duration) -> Duration {
     half + half.mul_f64(f64::from(r) / f64::from(u32::MAX))
 }
 
-impl super::Keyed {
+impl Waiters {
     /// Wait mode: waits until the record is no longer a live claim (`true`), or `until`
-    /// passes, or too many wait already (`false`). Waiters of one record share one poll.
-    pub(super) async fn wait_for_change(&self, until: Instant) -> bool {
-        let Some(mut ticket) = self.flow.waiters.join(&self.flow.cfg, self.id) else {
+    /// passes, or too many wait already (`false`). Waiters of one record share one poll; the
+    /// time waited is counted.
+    pub(crate) async fn wait_for_change(
+        self: &Arc<Self>,
+        cfg: &Arc<Config>,
+        labels: &Labels,
+        id: RecordId,
+        until: Instant,
+    ) -> bool {
+        let Some(mut ticket) = self.join(cfg, id) else {
             return false;
         };
+        let started = Instant::now();
         let changed = tokio::time::timeout_at(until, ticket.changed.wait_for(|c| *c)).await;
+        labels.waited(started.elapsed());
         changed.is_ok()
     }
 }
