@@ -1,4 +1,6 @@
-use super::super::number::plain_decimal_is_canonical;
+use proptest::prelude::*;
+
+use super::super::number::{digits_end, plain_decimal_is_canonical};
 use super::*;
 
 #[test]
@@ -127,5 +129,22 @@ fn decimals_with_trailing_zeros_are_written_without_them() {
             canonical_json(doc.as_bytes(), &never),
             "{literal}"
         );
+    }
+}
+
+proptest! {
+    /// `digits_end` reads 8 bytes a word: the same end as a byte at a time, from any start,
+    /// whatever follows (bytes above 0xf9 carry out of their byte in its sum).
+    #[test]
+    fn digits_end_is_the_first_non_digit(
+        body in prop::collection::vec(
+            prop_oneof![6 => b'0'..=b'9', 1 => b'/'..=b':', 1 => any::<u8>(), 1 => 0xf9u8..=0xff],
+            0..40,
+        ),
+        start in 0usize..40,
+    ) {
+        let start = start.min(body.len());
+        let slow = start + body[start..].iter().take_while(|b| b.is_ascii_digit()).count();
+        prop_assert_eq!(digits_end(&body, start), slow);
     }
 }
