@@ -55,10 +55,12 @@ const ENTRY_OVERHEAD: usize = 256;
 /// - an operator's delete, on any process: the store's invalidation feed
 ///   ([`IdempotencyStore::invalidations`]: Redis pub/sub on a single node or Sentinel,
 ///   Postgres `LISTEN`/`NOTIFY` on a store built with `connect`) drops it everywhere as the
-///   notification arrives. While the feed is down the tier serves nothing from memory;
+///   notification arrives. While the feed is down the tier serves nothing from memory.
+///   Both feeds check their connection every second: one that dies without a word (a
+///   partition, a stalled proxy) is noticed within that second plus the store's timeout,
+///   the longest a removal can go unheard, and the tier then forgets everything;
 /// - [`with_max_age`](LocalTier::with_max_age) (default 60 s), always: the staleness bound
-///   where there is no feed (Redis Cluster, a pool you built, a custom store), and where a
-///   feed's connection died silently.
+///   where there is no feed (Redis Cluster, a pool you built, a custom store).
 ///
 /// Only what the store answered is kept: a record this process completed is learned by the
 /// next claim that finds it (one `get` per record and process), since a handler that recorded

@@ -19,6 +19,7 @@ use tower::{service_fn, Layer, ServiceExt};
 use tower_idempotency::store::{IdempotencyAdmin, IdempotencyStore, LocalTier, RecordId};
 use tower_idempotency::{IdempotencyLayer, RequestBody, Timing};
 
+use crate::support::proxy::{Dir, FaultProxy, Mode};
 use crate::support::{body_bytes, post, Fault, FaultStore, Op};
 
 type Svc = tower::util::BoxCloneService<
@@ -395,6 +396,144 @@ async fn redis_a_delete_while_the_feed_is_down_is_not_missed() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(ran, "the delete made during the feed's gap was missed");
+}
+
+/// A feed whose connection dies without a word (a partition: the proxy holds every byte and
+/// the sockets stay open) is caught by its heartbeat. Within the heartbeat (1 s) plus the
+/// store's timeout (0.5 s here) the tier stops serving from memory, so a delete made meanwhile
+/// on another process is served at most that long, not until `max_age` (600 s here).
+async fn a_silent_feed_is_noticed<S, A>(b: S, admin: A, proxy: &FaultProxy, name: &str)
+where
+    S: IdempotencyStore,
+    A: IdempotencyAdmin,
+{
+    let pb = process(
+        "B",
+        b,
+        timing(Duration::from_secs(600)),
+        Duration::from_secs(600),
+    );
+    let key = format!("silent-{}", std::process::id());
+    assert_eq!(pb.send("t1", &key, "{}").await.1, "B run 1", "{name}");
+    pb.until_local("t1", &key, "B run 1", 100).await;
+    proxy.set(Dir::Up, Mode::Blackhole);
+    proxy.set(Dir::Down, Mode::Blackhole);
+    let cut = std::time::Instant::now();
+    admin
+        .delete(&RecordId::new(Some("t1"), &key))
+        .await
+        .unwrap();
+    // Served from memory (no claim reaches the store) until the heartbeat fails; then every
+    // claim goes to the store, which the proxy holds.
+    let mut served = 0;
+    loop {
+        let before = (pb.claims)();
+        let answer = tokio::time::timeout(Duration::from_millis(100), pb.send("t1", &key, "{}"));
+        if let Ok((_, body)) = answer.await {
+            if (pb.claims)() == before {
+                assert_eq!(body, "B run 1", "{name}");
+                served += 1;
+            }
+        }
+        if (pb.claims)() > before {
+            break;
+        }
+        assert!(
+            cut.elapsed() < Duration::from_secs(4),
+            "{name}: B still served the deleted record from memory {:?} after its feed went silent",
+            cut.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!(
+        "{name}: a silent feed was noticed {:?} after the cut ({served} answers from memory meanwhile)",
+        cut.elapsed()
+    );
+    assert!(
+        served > 0,
+        "{name}: the tier never served from memory before the cut was noticed"
+    );
+    // Healed, the feed subscribes again and B finds the record gone: it runs again.
+    proxy.heal();
+    let mut ran = false;
+    for _ in 0..200 {
+        let answer = tokio::time::timeout(Duration::from_secs(2), pb.send("t1", &key, "{}")).await;
+        if matches!(answer, Ok((StatusCode::CREATED, ref body)) if body == "B run 2") {
+            ran = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(ran, "{name}: B did not run again once healed");
+    assert_eq!(pb.runs.load(Ordering::SeqCst), 2, "{name}");
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_a_silent_feed_is_noticed_by_its_heartbeat() {
+    use tower_idempotency::store::redis::RedisStore;
+    let Some(url) = crate::support::backend::backend_url("IDEMPOTENCY_TEST_REDIS_URL") else {
+        return;
+    };
+    let upstream = url.trim_start_matches("redis://").trim_end_matches('/');
+    let proxy = FaultProxy::start(upstream).await;
+    let prefix = format!("{}:", crate::support::load::run_id("tier-silent"));
+    let b = RedisStore::builder()
+        .with_key_prefix(prefix.clone())
+        .with_timeout(Duration::from_millis(500))
+        .connect(&format!("redis://127.0.0.1:{}/", proxy.port))
+        .await
+        .unwrap();
+    let admin = RedisStore::builder()
+        .with_key_prefix(prefix)
+        .connect(&url)
+        .await
+        .unwrap();
+    a_silent_feed_is_noticed(b, admin, &proxy, "redis").await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_silent_feed_is_noticed_by_its_heartbeat() {
+    use tower_idempotency::store::postgres::tokio_postgres::config::Host;
+    use tower_idempotency::store::postgres::PostgresStore;
+    let Some(url) = crate::support::pg::url() else {
+        return;
+    };
+    let cfg = crate::support::pg::config(&url);
+    let host = match cfg.get_hosts().first() {
+        Some(Host::Tcp(h)) => h.clone(),
+        _ => "127.0.0.1".to_owned(),
+    };
+    let port = cfg.get_ports().first().copied().unwrap_or(5432);
+    let proxy = FaultProxy::start(&format!("{host}:{port}")).await;
+    let mut via = format!("postgres://{}", cfg.get_user().unwrap_or("postgres"));
+    if let Some(password) = cfg.get_password() {
+        via.push(':');
+        via.push_str(std::str::from_utf8(password).unwrap());
+    }
+    via.push_str(&format!(
+        "@127.0.0.1:{}/{}",
+        proxy.port,
+        cfg.get_dbname().unwrap_or("postgres")
+    ));
+    let schema = crate::support::pg::TestSchema::create(&url, "tier_silent").await;
+    let admin = PostgresStore::builder()
+        .with_table(&schema.table())
+        .unwrap()
+        .connect(&url)
+        .await
+        .unwrap();
+    admin.migrate().await.unwrap();
+    let b = PostgresStore::builder()
+        .with_table(&schema.table())
+        .unwrap()
+        .with_timeout(Duration::from_millis(500))
+        .connect(&via)
+        .await
+        .unwrap();
+    a_silent_feed_is_noticed(b, admin, &proxy, "postgres").await;
+    schema.drop_now().await;
 }
 
 /// The tier is a store: it passes the store conformance suite (the model-based histories

@@ -22,6 +22,11 @@ const BACKLOG: usize = 1024;
 /// The pause before listening again after the connection broke, doubled up to the most.
 const PAUSE: Duration = Duration::from_millis(100);
 const PAUSE_MAX: Duration = Duration::from_secs(5);
+/// How often the listening connection is checked with an empty query, which must answer
+/// within the store's timeout. A connection that dies without a word (a partition, a stalled
+/// proxy) is found within `HEARTBEAT + timeout` (2 s with the default 1 s timeout); the
+/// tiers then forget everything. That is the longest a removal can go unheard.
+const HEARTBEAT: Duration = Duration::from_secs(1);
 
 impl PostgresStore {
     /// The feed, started by the first caller, on a connection of its own. `None` for a store
@@ -98,11 +103,36 @@ where
         }
         Ok(())
     });
-    client.batch_execute(&format!("LISTEN {CHANNEL}")).await?;
+    // Bounded like every statement after it: a `LISTEN` that never answers is retried, not
+    // waited on (the tiers serve nothing from memory meanwhile).
+    let statement = format!("LISTEN {CHANNEL}");
+    match tokio::time::timeout(timeout, client.batch_execute(&statement)).await {
+        Ok(listened) => listened?,
+        Err(_) => {
+            driver.abort();
+            return Ok(());
+        }
+    }
     let _ = tx.send(Invalidation::Live);
-    while let Some(id) = heard.recv().await {
-        if let Some(id) = id {
-            let _ = tx.send(Invalidation::Removed(id));
+    let mut beat = tokio::time::interval_at(tokio::time::Instant::now() + HEARTBEAT, HEARTBEAT);
+    beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            id = heard.recv() => match id {
+                Some(Some(id)) => {
+                    let _ = tx.send(Invalidation::Removed(id));
+                }
+                Some(None) => {}
+                None => break,
+            },
+            _ = beat.tick() => {
+                if !matches!(tokio::time::timeout(timeout, client.simple_query("")).await, Ok(Ok(_))) {
+                    tracing::warn!("the Postgres store's invalidation connection did not answer its heartbeat");
+                    // A silent connection's driver would wait on its socket for ever.
+                    driver.abort();
+                    return Ok(());
+                }
+            }
         }
     }
     drop(client);

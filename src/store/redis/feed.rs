@@ -17,6 +17,11 @@ const BACKLOG: usize = 1024;
 /// The pause before subscribing again after the subscription broke, doubled up to the most.
 const PAUSE: Duration = Duration::from_millis(100);
 const PAUSE_MAX: Duration = Duration::from_secs(5);
+/// How often a live subscription is checked with a `PING` on its connection, which must
+/// answer within the store's timeout. A connection that dies without a word (a partition, a
+/// stalled proxy) is found within `HEARTBEAT + timeout` (2 s with the default 1 s timeout);
+/// the tiers then forget everything. That is the longest a removal can go unheard.
+const HEARTBEAT: Duration = Duration::from_secs(1);
 
 impl RedisStore {
     /// The channel the remove script publishes removals on.
@@ -68,15 +73,7 @@ async fn listen(
             Ok(Ok(pubsub)) => {
                 pause = PAUSE;
                 let _ = tx.send(Invalidation::Live);
-                let mut messages = pubsub.into_on_message();
-                while let Some(message) = messages.next().await {
-                    let id = std::str::from_utf8(message.get_payload_bytes())
-                        .ok()
-                        .and_then(RecordId::from_hex);
-                    if let Some(id) = id {
-                        let _ = tx.send(Invalidation::Removed(id));
-                    }
-                }
+                hear(pubsub, timeout, &tx).await;
                 tracing::warn!("the Redis store's invalidation subscription ended; local tiers serve nothing from memory until it is back");
             }
             Ok(Err(e)) => {
@@ -92,5 +89,34 @@ async fn listen(
         }
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(PAUSE_MAX);
+    }
+}
+
+/// Passes on the subscription's removals until it ends, or until a heartbeat `PING` fails or
+/// goes unanswered for `timeout`. Messages published before the `PING` arrive before its
+/// answer, so each answered `PING` vouches for every removal published until it was sent.
+async fn hear(pubsub: redis::aio::PubSub, timeout: Duration, tx: &broadcast::Sender<Invalidation>) {
+    let (mut sink, mut messages) = pubsub.split();
+    let mut beat = tokio::time::interval_at(tokio::time::Instant::now() + HEARTBEAT, HEARTBEAT);
+    beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            message = messages.next() => {
+                let Some(message) = message else { return };
+                let id = std::str::from_utf8(message.get_payload_bytes())
+                    .ok()
+                    .and_then(RecordId::from_hex);
+                if let Some(id) = id {
+                    let _ = tx.send(Invalidation::Removed(id));
+                }
+            }
+            _ = beat.tick() => {
+                let ping = tokio::time::timeout(timeout, sink.ping::<redis::Value>()).await;
+                if !matches!(ping, Ok(Ok(_))) {
+                    tracing::warn!("the Redis store's invalidation subscription did not answer its heartbeat");
+                    return;
+                }
+            }
+        }
     }
 }
