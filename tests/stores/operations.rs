@@ -414,6 +414,51 @@ async fn a_dropped_attempt_is_taken_over_at_once(store: Arc<dyn IdempotencyStore
     assert_eq!(done.generation, 2);
 }
 
+/// The dropped attempt's lease is ended by `extend(…, 0)` on a task of its own. When that call
+/// never returns, nothing waits on it: the task gives up at the store deadline, the lease
+/// lapses on its own, and the first call after it takes over, from the saved point. Before
+/// then the claim holds: the key is never free while the dropped work may still run.
+async fn a_hung_lease_end_lets_the_lease_lapse(store: Arc<dyn IdempotencyStore>) {
+    const LEASE: Duration = Duration::from_secs(2);
+    let timing = Timing::new(LEASE, Duration::from_secs(60))
+        .unwrap()
+        .with_store_timeout(Duration::from_millis(200))
+        .unwrap();
+    let faulty = crate::support::FaultStore::new(store.clone());
+    let ops = ops_with(faulty.clone(), |l| l.with_timing(timing));
+    let key = unique("lease-end-hangs");
+    let charges = Arc::new(AtomicUsize::new(0));
+    let claimed = Instant::now();
+    let attempt = charged_then_stalled(&ops, &key, &charges).await;
+    // Every `extend` from here on never returns: the lease end among them.
+    faulty.on_all(crate::support::Op::Extend, crate::support::Fault::Hang);
+    drop(attempt);
+    let receipt = loop {
+        match ops.once(SCOPE, &key, &ORDER, pay(&charges, None)).await {
+            Err(OnceError::InProgress { .. }) if claimed.elapsed() < LEASE * 3 => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            other => break other.unwrap(),
+        }
+    };
+    let waited = claimed.elapsed();
+    assert!(
+        faulty.calls(crate::support::Op::Extend) >= 1,
+        "the lease end was never tried"
+    );
+    assert!(
+        waited >= LEASE - Duration::from_millis(100),
+        "taken over after {waited:?}, inside the lease: the hung lease end freed the key"
+    );
+    let expected = Receipt {
+        charge: "ch_1".to_owned(),
+        generation: 2,
+        resumed_from: Some("charged".to_owned()),
+    };
+    assert_eq!(receipt, expected);
+    assert_eq!(charges.load(SeqCst), 1);
+}
+
 // ---- 3. a fenced zombie -------------------------------------------------------------------
 
 /// Refuses every renewal of a first claim (generation 1): its holder keeps working while
@@ -750,6 +795,7 @@ on_every_store!(
     a_storm_through_the_operation_layer_runs_the_service_once,
     a_crashed_attempt_is_resumed_from_its_point_after_the_lease,
     a_dropped_attempt_is_taken_over_at_once,
+    a_hung_lease_end_lets_the_lease_lapse,
     a_fenced_zombie_changes_nothing,
     the_context_is_current_in_a_services_call_and_future,
     a_dropped_service_call_is_taken_over_at_once_through_the_layer,
