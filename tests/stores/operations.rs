@@ -263,6 +263,15 @@ struct Receipt {
     resumed_from: Option<String>,
 }
 
+/// What the first takeover of a charged, then stalled attempt answers: the one charge, resumed.
+fn resumed() -> Receipt {
+    Receipt {
+        charge: "ch_1".to_owned(),
+        generation: 2,
+        resumed_from: Some("charged".to_owned()),
+    }
+}
+
 type Paying = Pin<Box<dyn Future<Output = Result<Receipt, OnceError<StoreError>>> + Send>>;
 
 /// The payment: charges (unless the recovery point says it is charged) and saves "charged"
@@ -357,12 +366,7 @@ async fn a_crashed_attempt_is_resumed_from_its_point_after_the_lease(
         .once(SCOPE, &key, &ORDER, pay(&charges, None))
         .await
         .unwrap();
-    let expected = Receipt {
-        charge: "ch_1".to_owned(),
-        generation: 2,
-        resumed_from: Some("charged".to_owned()),
-    };
-    assert_eq!(receipt, expected, "the takeover resumes from the point");
+    assert_eq!(receipt, resumed(), "the takeover resumes from the point");
     assert_eq!(charges.load(SeqCst), 1, "charged once");
 
     let done = record(&*store, &key).await.unwrap();
@@ -370,10 +374,10 @@ async fn a_crashed_attempt_is_resumed_from_its_point_after_the_lease(
     assert_eq!((done.generation, done.recovery_point), (2, None));
     assert_eq!(
         kept_answer(&*store, &key).await,
-        serde_json::to_vec(&expected).unwrap()
+        serde_json::to_vec(&resumed()).unwrap()
     );
     let again = ops.once(SCOPE, &key, &ORDER, pay(&charges, None)).await;
-    assert_eq!(again.unwrap(), expected);
+    assert_eq!(again.unwrap(), resumed());
     assert_eq!(charges.load(SeqCst), 1);
 }
 
@@ -402,12 +406,7 @@ async fn a_dropped_attempt_is_taken_over_at_once(store: Arc<dyn IdempotencyStore
         "waited {:?}: the lease lapsed instead of ending",
         dropped.elapsed()
     );
-    let expected = Receipt {
-        charge: "ch_1".to_owned(),
-        generation: 2,
-        resumed_from: Some("charged".to_owned()),
-    };
-    assert_eq!(receipt, expected);
+    assert_eq!(receipt, resumed());
     assert_eq!(charges.load(SeqCst), 1);
     let done = record(&*store, &key).await.unwrap();
     assert!(matches!(done.state, RecordState::Completed(_)), "{done:?}");
@@ -450,12 +449,7 @@ async fn a_hung_lease_end_lets_the_lease_lapse(store: Arc<dyn IdempotencyStore>)
         waited >= LEASE - Duration::from_millis(100),
         "taken over after {waited:?}, inside the lease: the hung lease end freed the key"
     );
-    let expected = Receipt {
-        charge: "ch_1".to_owned(),
-        generation: 2,
-        resumed_from: Some("charged".to_owned()),
-    };
-    assert_eq!(receipt, expected);
+    assert_eq!(receipt, resumed());
     assert_eq!(charges.load(SeqCst), 1);
 }
 
