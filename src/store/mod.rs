@@ -258,6 +258,8 @@ pub mod postgres;
 
 pub use memory::MemoryStore;
 mod tier;
+#[cfg(any(feature = "redis", feature = "postgres"))]
+pub(crate) use tier::feed_heartbeat;
 pub use tier::{Invalidation, LocalTier};
 
 /// Re-exported for store authors: the trait's methods are `#[async_trait]`.

@@ -38,6 +38,19 @@ const DEFAULT_MAX_AGE: Duration = Duration::from_secs(60);
 /// How long learning a record may wait for the store's `get`.
 const LEARN_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// The ticks on which a store's feed checks its connection (Redis `PING`, Postgres an empty
+/// query), each check to answer within the store's timeout. A connection that dies without a
+/// word (a partition, a stalled proxy) is found within a tick plus that timeout (2 s with the
+/// default 1 s timeout); the tiers then forget everything. That is the longest a removal can
+/// go unheard. The first tick is one period away: the feed has just (re)connected.
+#[cfg(any(feature = "redis", feature = "postgres"))]
+pub(crate) fn feed_heartbeat() -> tokio::time::Interval {
+    const EVERY: Duration = Duration::from_secs(1);
+    let mut beat = tokio::time::interval_at(Instant::now() + EVERY, EVERY);
+    beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    beat
+}
+
 /// An entry's bookkeeping beyond its bytes: the map's slot, the record's fields.
 const ENTRY_OVERHEAD: usize = 256;
 

@@ -22,11 +22,6 @@ const BACKLOG: usize = 1024;
 /// The pause before listening again after the connection broke, doubled up to the most.
 const PAUSE: Duration = Duration::from_millis(100);
 const PAUSE_MAX: Duration = Duration::from_secs(5);
-/// How often the listening connection is checked with an empty query, which must answer
-/// within the store's timeout. A connection that dies without a word (a partition, a stalled
-/// proxy) is found within `HEARTBEAT + timeout` (2 s with the default 1 s timeout); the
-/// tiers then forget everything. That is the longest a removal can go unheard.
-const HEARTBEAT: Duration = Duration::from_secs(1);
 
 impl PostgresStore {
     /// The feed, started by the first caller, on a connection of its own. `None` for a store
@@ -114,8 +109,7 @@ where
         }
     }
     let _ = tx.send(Invalidation::Live);
-    let mut beat = tokio::time::interval_at(tokio::time::Instant::now() + HEARTBEAT, HEARTBEAT);
-    beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut beat = crate::store::feed_heartbeat();
     loop {
         tokio::select! {
             id = heard.recv() => match id {

@@ -17,11 +17,6 @@ const BACKLOG: usize = 1024;
 /// The pause before subscribing again after the subscription broke, doubled up to the most.
 const PAUSE: Duration = Duration::from_millis(100);
 const PAUSE_MAX: Duration = Duration::from_secs(5);
-/// How often a live subscription is checked with a `PING` on its connection, which must
-/// answer within the store's timeout. A connection that dies without a word (a partition, a
-/// stalled proxy) is found within `HEARTBEAT + timeout` (2 s with the default 1 s timeout);
-/// the tiers then forget everything. That is the longest a removal can go unheard.
-const HEARTBEAT: Duration = Duration::from_secs(1);
 
 impl RedisStore {
     /// The channel the remove script publishes removals on.
@@ -97,8 +92,7 @@ async fn listen(
 /// answer, so each answered `PING` vouches for every removal published until it was sent.
 async fn hear(pubsub: redis::aio::PubSub, timeout: Duration, tx: &broadcast::Sender<Invalidation>) {
     let (mut sink, mut messages) = pubsub.split();
-    let mut beat = tokio::time::interval_at(tokio::time::Instant::now() + HEARTBEAT, HEARTBEAT);
-    beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut beat = crate::store::feed_heartbeat();
     loop {
         tokio::select! {
             message = messages.next() => {
