@@ -169,6 +169,7 @@ pub(crate) fn store_timer(store: &'static str, operation: &'static str) -> Store
         store,
         operation,
         start: Instant::now(),
+        live: true,
     }
 }
 
@@ -190,14 +191,25 @@ pub(crate) struct StoreTimer {
     store: &'static str,
     operation: &'static str,
     start: Instant,
+    /// False once [`cancel`](Self::cancel)led.
+    live: bool,
 }
 
 impl Drop for StoreTimer {
     fn drop(&mut self) {
         #[cfg(feature = "metrics")]
-        metrics::histogram!(STORE_DURATION, "store" => self.store, "operation" => self.operation)
-            .record(self.start.elapsed().as_secs_f64());
-        let _ = (self.operation, self.start);
+        if self.live {
+            metrics::histogram!(STORE_DURATION, "store" => self.store, "operation" => self.operation)
+                .record(self.start.elapsed().as_secs_f64());
+        }
+        let _ = (self.operation, self.start, self.live);
+    }
+}
+
+impl StoreTimer {
+    /// A call that did not happen (a store without a synchronous answer): nothing recorded.
+    pub(crate) fn cancel(mut self) {
+        self.live = false;
     }
 }
 

@@ -1,4 +1,6 @@
-//! Step 6's machinery: a claim in flight, and the release of a claim won too late to run.
+//! Step 6: the claim, answered at once where the store can, read for the request (a replay,
+//! a conflict, a mismatch, a claim to run under); a claim in flight, and the release of a
+//! claim won too late to run.
 //!
 //! A claim past its deadline is "unknown", never read as claimed; a reply that comes late
 //! and won is released before the 503 goes out, or on a task of its own when the request is
@@ -11,11 +13,19 @@ use std::task::{Context, Poll};
 
 use tokio::time::Instant;
 
+use std::time::Duration;
+
+use http::{HeaderMap, Response};
+use http_body::Body;
+
 use super::deadline::{bounded, deadline, retry_until, within};
-use super::Chain;
+use super::{Chain, Keyed, Step, STORE_RETRY_AFTER};
+use crate::body::ResponseBody;
 use crate::config::Config;
-use crate::metrics::{timed, Labels};
-use crate::store::record::{Fingerprint, RecordId, ScopeId};
+use crate::error::{ErrorKind, IdempotencyError};
+use crate::metrics::{timed, Labels, Outcome};
+use crate::response;
+use crate::store::record::{Completion, Fingerprint, RecordId, RecordState, ScopeId};
 use crate::store::{Claim, ClaimOutcome, ClaimRequest, StoreError, StoreErrorKind};
 
 /// Step 6's one store call, for the layer's flow and for operations: a claim of `id` under
@@ -157,4 +167,170 @@ pub(super) fn spawn_release(
             tracing::warn!(error = %Chain(&e), "could not release a claim whose request went away; it lapses with its lease");
         }
     });
+}
+
+/// A claim's outcome, read for the request.
+#[allow(clippy::large_enum_variant)] // lives on the stack, returned at once
+enum Found<B: Body> {
+    Step(Step<B>),
+    /// The record is in progress; its lease has this long left.
+    InProgress(Duration),
+}
+
+impl Keyed {
+    /// Step 6 at once, where the store answers without I/O (the memory store, a record a
+    /// `LocalTier` holds): no boxed future, no deadline, no wait. `None`: ask with `claim`.
+    pub(super) fn claim_now<B: Body>(&self, request: &HeaderMap) -> Option<Step<B>> {
+        let cfg = &*self.flow.cfg;
+        let (lease, ttl) = (cfg.timing.lease(), cfg.timing.ttl());
+        let claim = ClaimRequest::new(&self.id, &self.fp, lease, ttl).in_scope(&self.scope_id);
+        let timer = self.flow.labels.store_call("claim");
+        let sent = Instant::now();
+        let Some(outcome) = cfg.store.claim_now(&claim) else {
+            timer.cancel();
+            return None;
+        };
+        drop(timer);
+        match self.found(outcome, sent, request) {
+            Found::Step(step) => Some(step),
+            // Waiting for the record to change is `claim`'s loop, which claims again.
+            Found::InProgress(_) if cfg.in_progress.wait.is_some() => None,
+            Found::InProgress(left) => Some(Step::Answer(self.conflict(left))),
+        }
+    }
+
+    pub(super) async fn claim<B: Body>(&self, request: &HeaderMap) -> Step<B> {
+        let cfg = &*self.flow.cfg;
+        let wait_until = cfg.in_progress.wait.map(|w| deadline(Instant::now(), w));
+        loop {
+            let (outcome, sent) = claim_within(
+                &self.flow.cfg,
+                &self.flow.labels,
+                self.id,
+                self.fp,
+                self.scope_id,
+            )
+            .await;
+            let lease_remaining = match self.found(outcome, sent, request) {
+                Found::Step(step) => return step,
+                Found::InProgress(left) => left,
+            };
+            if let Some(until) = wait_until {
+                let waiters = &self.flow.waiters;
+                if waiters
+                    .wait_for_change(&self.flow.cfg, &self.flow.labels, self.id, until)
+                    .await
+                {
+                    continue;
+                }
+            }
+            return Step::Answer(self.conflict(lease_remaining));
+        }
+    }
+
+    /// A 409 (or the configured status) for a record still in progress.
+    fn conflict<B: Body>(&self, lease_remaining: Duration) -> Response<ResponseBody<B>> {
+        let cfg = &*self.flow.cfg;
+        self.outcome(Outcome::Conflict);
+        let err = IdempotencyError::new(
+            ErrorKind::InProgress,
+            "a request with this idempotency key is still being processed",
+        )
+        .retry_after(lease_remaining.min(cfg.in_progress.retry_after))
+        .with_status(cfg.in_progress_status);
+        self.flow.error(err)
+    }
+
+    /// What the claim's outcome means for the request: the checks of a stored record
+    /// (fingerprint, Vary), a replay, an error, or a claim to run under.
+    fn found<B: Body>(
+        &self,
+        outcome: Result<ClaimOutcome, StoreError>,
+        sent: Instant,
+        request: &HeaderMap,
+    ) -> Found<B> {
+        let cfg = &*self.flow.cfg;
+        let record = match outcome {
+            Ok(ClaimOutcome::Claimed(claim)) => return Found::Step(Step::Claimed(claim, sent)),
+            Ok(ClaimOutcome::Existing(record)) => record,
+            Err(e) if e.kind() == StoreErrorKind::QuotaExceeded => {
+                self.outcome(Outcome::OverQuota);
+                if cfg.store_failure.open_on_quota {
+                    tracing::warn!(
+                        "idempotency scope over its quota; running unprotected (quota fail open)"
+                    );
+                    return Found::Step(Step::FailOpen);
+                }
+                let err = IdempotencyError::new(
+                    ErrorKind::QuotaExceeded,
+                    "this caller holds as many idempotency records as it may; the request was not processed",
+                )
+                .retry_after(cfg.store_failure.quota_retry_after.min(cfg.timing.ttl()));
+                return Found::Step(Step::Answer(self.flow.error(err)));
+            }
+            Err(e) if cfg.store_failure.open_on_error => {
+                self.outcome(Outcome::StoreError);
+                tracing::warn!(error = %Chain(&e), "idempotency store failed; running unprotected (fail open)");
+                return Found::Step(Step::FailOpen);
+            }
+            Err(e) => {
+                self.outcome(Outcome::StoreError);
+                // An outage the store logs once (a failover hold, a WAIT shortfall)
+                // refuses every request while it lasts: count those, log them at DEBUG.
+                if let Some(outage) = e.outage() {
+                    self.flow.labels.refused(outage);
+                    tracing::debug!(error = %Chain(&e), "idempotency store refused during an outage; refusing the request (fail closed)");
+                } else {
+                    tracing::error!(error = %Chain(&e), "idempotency store failed; refusing the request (fail closed)");
+                }
+                let detail = if e.kind() == StoreErrorKind::Unknown {
+                    "the idempotency store did not answer in time; the request was not processed"
+                } else {
+                    "the idempotency store is unavailable; the request was not processed"
+                };
+                let err = IdempotencyError::new(ErrorKind::StoreUnavailable, detail)
+                    .retry_after(STORE_RETRY_AFTER)
+                    .source(e);
+                return Found::Step(Step::Answer(self.flow.error(err)));
+            }
+        };
+        if record.fingerprint != self.fp {
+            self.outcome(Outcome::Mismatch);
+            let err = IdempotencyError::new(
+                ErrorKind::Mismatch,
+                "this idempotency key was already used with a different request",
+            );
+            return Found::Step(Step::Answer(self.flow.error(err)));
+        }
+        match record.state {
+            RecordState::Completed(Completion::Response(stored)) => {
+                if cfg.vary_match && !crate::recording::vary_matches(&stored, request) {
+                    self.outcome(Outcome::Mismatch);
+                    let err = IdempotencyError::new(
+                        ErrorKind::Mismatch,
+                        "this idempotency key was already used by a request whose answer varies on request headers (its Vary) that this one sends differently",
+                    );
+                    return Found::Step(Step::Answer(self.flow.error(err)));
+                }
+                self.outcome(Outcome::Replayed);
+                let mut res = response::replay(stored);
+                self.publish_ttl(res.headers_mut());
+                Found::Step(Step::Answer(res))
+            }
+            RecordState::Completed(Completion::Tombstone { status }) => {
+                self.outcome(Outcome::Tombstoned);
+                // A webhook sender reads anything outside 2xx as "not taken" and
+                // redelivers for days: it gets the status it was answered, empty.
+                if cfg.unkept_as_status && !self.flow.grpc {
+                    let mut res = response::replay_omitted(status);
+                    self.publish_ttl(res.headers_mut());
+                    return Found::Step(Step::Answer(res));
+                }
+                let err = IdempotencyError::new(ErrorKind::ResponseNotRetained, "the original request completed, but its response was too large to keep; it was not run again")
+                    .original_status(status);
+                Found::Step(Step::Answer(self.flow.error(err)))
+            }
+            RecordState::InProgress { lease_remaining } => Found::InProgress(lease_remaining),
+        }
+    }
 }

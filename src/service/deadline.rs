@@ -40,39 +40,77 @@ pub(crate) async fn bounded<T>(
 /// first poll (an in-memory store call, a body already received): a `Sleep` takes the runtime
 /// handle, a shared atomic, even when it never fires. A ready future wins either way, as it
 /// does in `timeout_at`, which also polls the future first.
-pub(crate) async fn within<F: Future>(
-    until: Instant,
-    future: F,
-) -> Result<F::Output, tokio::time::error::Elapsed> {
-    let mut future = std::pin::pin!(future);
-    if let Some(out) = at_first_poll(future.as_mut()).await {
-        return Ok(out);
+pub(crate) fn within<F: Future>(until: Instant, future: F) -> Within<F> {
+    Within {
+        future,
+        timer: None,
+        until: Until::At(until),
     }
-    tokio::time::timeout_at(until, future).await
 }
 
 /// [`within`] for a span rather than a deadline: the clock is read only when the future is
 /// not ready at its first poll. A span too long to add to the clock waits forever, as
 /// `tokio::time::timeout` does.
-pub(crate) async fn within_for<F: Future>(
-    d: Duration,
-    future: F,
-) -> Result<F::Output, tokio::time::error::Elapsed> {
-    let mut future = std::pin::pin!(future);
-    if let Some(out) = at_first_poll(future.as_mut()).await {
-        return Ok(out);
+pub(crate) fn within_for<F: Future>(d: Duration, future: F) -> Within<F> {
+    Within {
+        future,
+        timer: None,
+        until: Until::After(d),
     }
-    tokio::time::timeout(d, future).await
 }
 
-/// Polls `future` once: its output if it is ready, `None` (and it is left to poll on) if not.
-async fn at_first_poll<F: Future>(mut future: std::pin::Pin<&mut F>) -> Option<F::Output> {
-    std::future::poll_fn(|cx| match future.as_mut().poll(cx) {
-        Poll::Ready(out) => Poll::Ready(Some(out)),
-        Poll::Pending => Poll::Ready(None),
-    })
-    .await
+/// When a [`Within`] gives up.
+enum Until {
+    At(Instant),
+    After(Duration),
 }
+
+pin_project_lite::pin_project! {
+    /// The future of [`within`] and [`within_for`]. Written by hand rather than as an async
+    /// fn, which would hold `future` twice (its argument and its pinned copy), and with the
+    /// timer boxed: a `Sleep` is cache-padded (128-byte aligned, some 300 bytes), and inline
+    /// it would size and align every future around this one, ready or not.
+    pub(crate) struct Within<F> {
+        #[pin]
+        future: F,
+        timer: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+        until: Until,
+    }
+}
+
+impl<F: Future> Future for Within<F> {
+    type Output = Result<F::Output, Elapsed>;
+
+    fn poll(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        if let Poll::Ready(out) = this.future.poll(cx) {
+            return Poll::Ready(Ok(out));
+        }
+        let until = &*this.until;
+        let timer = this.timer.get_or_insert_with(|| {
+            Box::pin(match *until {
+                Until::At(at) => tokio::time::sleep_until(at),
+                Until::After(d) => tokio::time::sleep(d),
+            })
+        });
+        match timer.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(Elapsed)),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+/// A [`within`] deadline passed before its future was ready.
+#[derive(Debug)]
+pub(crate) struct Elapsed;
+
+impl std::fmt::Display for Elapsed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("deadline has elapsed")
+    }
+}
+
+impl std::error::Error for Elapsed {}
 
 /// The holder's view of its lease. Every instant is taken when a call was *sent*, so the
 /// local estimate of the lease's end is never later than the store's own.

@@ -11,6 +11,7 @@ use http::Response;
 use http_body::Body;
 use pin_project_lite::pin_project;
 
+use super::key::Echo;
 use super::Answer;
 use crate::body::ResponseBody;
 
@@ -35,6 +36,8 @@ pub(super) struct Flow<B: Body, E> {
     committed: bool,
     /// Spawns the rest of a committed flow: made where the output's `Send + 'static` is known.
     detach: fn(BoxFlow<B, E>),
+    /// The key to put on the answer, once the flow has read it.
+    echo: Echo,
 }
 
 impl<B: Body, E> Flow<B, E> {
@@ -55,10 +58,14 @@ impl<B: Body, E> Flow<B, E> {
                 std::panic::resume_unwind(panic)
             }
         };
-        if out.is_ready() {
-            self.future = None;
+        let Poll::Ready(mut answer) = out else {
+            return Poll::Pending;
+        };
+        self.future = None;
+        if let (Ok(res), Some(key)) = (&mut answer, self.echo.as_ref().and_then(|e| e.get())) {
+            crate::response::echo_key(res, key);
         }
-        out
+        Poll::Ready(answer)
     }
 }
 
@@ -119,13 +126,14 @@ impl<F, B: Body, E> ResponseFuture<F, B, E> {
         }
     }
 
-    pub(super) fn flow(future: BoxFlow<B, E>, detach: fn(BoxFlow<B, E>)) -> Self {
+    pub(super) fn flow(future: BoxFlow<B, E>, detach: fn(BoxFlow<B, E>), echo: Echo) -> Self {
         Self {
             kind: Kind::Flow {
                 flow: Flow {
                     future: Some(future),
                     committed: false,
                     detach,
+                    echo,
                 },
             },
         }

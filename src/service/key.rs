@@ -3,19 +3,15 @@
 
 use std::sync::{Arc, OnceLock};
 
-use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, Request, Response};
-use http_body::Body;
-use tower_service::Service;
+use http::{HeaderMap, HeaderValue};
 
-use super::{Answer, BoxError, Flow};
-use crate::body::RequestBody;
+use super::Flow;
 use crate::error::{ErrorKind, IdempotencyError};
 use crate::key::Refusal;
 use crate::metrics::{Labels, Outcome};
-use crate::response;
 
-/// The key to echo, once the flow knows it: shared between [`Flow::echoing`] and the flow.
+/// The key to echo, once the flow knows it: shared between the flow and its response future,
+/// which puts it on the answer.
 pub(super) type Echo = Option<Arc<OnceLock<HeaderValue>>>;
 
 /// The 400 for a request without a usable key; the detail names where it was expected.
@@ -33,36 +29,6 @@ pub(super) fn key_refused(labels: &Labels, refusal: Refusal) -> IdempotencyError
 }
 
 impl Flow {
-    /// [`Flow::run`], with the key echoed on its answer once the key is known: a key from a
-    /// header from the start, one from the body once read from the buffer.
-    pub(super) async fn echoing<S, ReqB, ResB>(
-        self,
-        inner: S,
-        req: Request<ReqB>,
-        key: Option<Arc<str>>,
-    ) -> Answer<ResB, S::Error>
-    where
-        S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Send + 'static,
-        S::Future: Send + 'static,
-        S::Error: Send + 'static,
-        ReqB: Body<Data = Bytes> + Send + 'static,
-        ReqB::Error: Into<BoxError>,
-        ResB: Body<Data = Bytes> + Send + 'static,
-        ResB::Error: Send + 'static,
-    {
-        let Some(echo) = self.echo.clone() else {
-            return self.run(inner, req, key).await;
-        };
-        if let Some(key) = &key {
-            self.known(req.headers(), key);
-        }
-        let mut answer = self.run(inner, req, key).await;
-        if let (Ok(res), Some(key)) = (&mut answer, echo.get()) {
-            response::echo_key(res, key);
-        }
-        answer
-    }
-
     /// Notes the request's key, read from `headers` or the body, for the echo.
     pub(super) fn known(&self, headers: &HeaderMap, key: &str) {
         if let Some(echo) = &self.echo {

@@ -32,8 +32,8 @@ use crate::key::Refusal;
 use crate::metrics::{Labels, Outcome};
 use crate::policy::{decide, is_grpc, RecordDecision, ResponseInfo};
 use crate::response;
-use crate::store::record::{Completion, Fingerprint, RecordId, RecordState, ScopeId, Token};
-use crate::store::{Claim, ClaimOutcome, StoreErrorKind};
+use crate::store::record::{Completion, Fingerprint, RecordId, ScopeId, Token};
+use crate::store::Claim;
 pub(crate) use context::with_current;
 pub use context::IdempotencyContext;
 
@@ -182,16 +182,21 @@ where
         // The inner service that was polled ready goes with this request; a clone stays.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
+        let echo: Echo = cfg.key_echo.then(Default::default);
         let flow = Flow {
             cfg: self.config.clone(),
             waiters: self.waiters.clone(),
             grpc,
             labels,
-            echo: cfg.key_echo.then(Default::default),
+            echo: echo.clone(),
         };
+        if let Some(key) = &key {
+            flow.known(req.headers(), key);
+        }
         ResponseFuture::flow(
-            Box::pin(flow.echoing(inner, req, key)),
+            Box::pin(flow.run(inner, req, key)),
             future::detach::<ResB, S::Error>,
+            echo,
         )
     }
 }
@@ -362,41 +367,41 @@ impl Flow {
             id,
             fp,
         };
-        // One span over steps 6-9: one wrapper for the rest of the flow to be moved into.
-        async move {
-            // 6. Claim, inline: a replay or a conflict costs no task. A response future
-            // dropped mid-claim leaves the claim to `PendingClaim`, which releases it if it
-            // was won.
-            let (claim, sent) = match keyed.claim(&parts.headers).await {
-                Step::Answer(res) => return Ok(res),
-                Step::FailOpen => {
-                    let mut inner = inner;
-                    let req = Request::from_parts(parts, RequestBody::buffered(bytes));
-                    return inner.call(req).await.map(|r| r.map(ResponseBody::stream));
-                }
-                Step::Claimed(claim, sent) => {
-                    future::commit();
-                    (claim, sent)
-                }
-            };
-            // 7-9 run here, inline, until the answer is out; what is left then (settling a
-            // released claim, a streamed answer's end) goes on a task of its own, and so
-            // does this whole flow when its response future is dropped (client gone, a
-            // deadline): nothing can cancel the work between the claim and the record
-            // (`future::commit`). Inline saves a spawn and a cross-thread wake per request.
-            let lease = Lease::new(sent, &keyed.flow.cfg.timing);
-            let (delivery, token, after) = keyed.execute(inner, parts, bytes, claim, &lease).await;
-            if let Some(after) = after {
-                let span = tracing::Span::current();
-                keyed.spawn_after(after, token, lease, span).await;
+        // 6. Claim, inline: a replay or a conflict costs no task. The span is entered around
+        // each step of 6-9 rather than wrapping them in one more future: a replay's future
+        // is moved through every layer above this one, and its size is the cost.
+        let now = {
+            let _entered = span.enter();
+            keyed.claim_now(&parts.headers)
+        };
+        let step = match now {
+            Some(step) => step,
+            // A response future dropped mid-claim leaves the claim to `PendingClaim`, which
+            // releases it if it was won.
+            None => {
+                Box::pin(keyed.claim(&parts.headers))
+                    .instrument(span.clone())
+                    .await
             }
-            match delivery {
-                Ok(answer) => answer,
-                Err(panic) => std::panic::resume_unwind(panic),
+        };
+        match step {
+            Step::Answer(res) => Ok(res),
+            // Boxed, as is the claimed path, for the same reason.
+            Step::FailOpen => {
+                let mut inner = inner;
+                let req = Request::from_parts(parts, RequestBody::buffered(bytes));
+                Box::pin(inner.call(req))
+                    .instrument(span)
+                    .await
+                    .map(|r| r.map(ResponseBody::stream))
+            }
+            Step::Claimed(claim, sent) => {
+                future::commit();
+                Box::pin(keyed.claimed(inner, parts, bytes, claim, sent))
+                    .instrument(span)
+                    .await
             }
         }
-        .instrument(span)
-        .await
     }
 }
 
@@ -487,116 +492,38 @@ impl Keyed {
 }
 
 impl Keyed {
-    async fn claim<B: Body>(&self, request: &HeaderMap) -> Step<B> {
-        let cfg = &*self.flow.cfg;
-        let wait_until = cfg.in_progress.wait.map(|w| deadline(Instant::now(), w));
-        loop {
-            let (outcome, sent) = claim::claim_within(
-                &self.flow.cfg,
-                &self.flow.labels,
-                self.id,
-                self.fp,
-                self.scope_id,
-            )
-            .await;
-            let record = match outcome {
-                Ok(ClaimOutcome::Claimed(claim)) => return Step::Claimed(claim, sent),
-                Ok(ClaimOutcome::Existing(record)) => record,
-                Err(e) if e.kind() == StoreErrorKind::QuotaExceeded => {
-                    self.outcome(Outcome::OverQuota);
-                    if cfg.store_failure.open_on_quota {
-                        tracing::warn!("idempotency scope over its quota; running unprotected (quota fail open)");
-                        return Step::FailOpen;
-                    }
-                    let err = IdempotencyError::new(
-                        ErrorKind::QuotaExceeded,
-                        "this caller holds as many idempotency records as it may; the request was not processed",
-                    )
-                    .retry_after(cfg.store_failure.quota_retry_after.min(cfg.timing.ttl()));
-                    return Step::Answer(self.flow.error(err));
-                }
-                Err(e) if cfg.store_failure.open_on_error => {
-                    self.outcome(Outcome::StoreError);
-                    tracing::warn!(error = %Chain(&e), "idempotency store failed; running unprotected (fail open)");
-                    return Step::FailOpen;
-                }
-                Err(e) => {
-                    self.outcome(Outcome::StoreError);
-                    // An outage the store logs once (a failover hold, a WAIT shortfall)
-                    // refuses every request while it lasts: count those, log them at DEBUG.
-                    if let Some(outage) = e.outage() {
-                        self.flow.labels.refused(outage);
-                        tracing::debug!(error = %Chain(&e), "idempotency store refused during an outage; refusing the request (fail closed)");
-                    } else {
-                        tracing::error!(error = %Chain(&e), "idempotency store failed; refusing the request (fail closed)");
-                    }
-                    let detail = if e.kind() == StoreErrorKind::Unknown {
-                        "the idempotency store did not answer in time; the request was not processed"
-                    } else {
-                        "the idempotency store is unavailable; the request was not processed"
-                    };
-                    let err = IdempotencyError::new(ErrorKind::StoreUnavailable, detail)
-                        .retry_after(STORE_RETRY_AFTER)
-                        .source(e);
-                    return Step::Answer(self.flow.error(err));
-                }
-            };
-            if record.fingerprint != self.fp {
-                self.outcome(Outcome::Mismatch);
-                let err = IdempotencyError::new(
-                    ErrorKind::Mismatch,
-                    "this idempotency key was already used with a different request",
-                );
-                return Step::Answer(self.flow.error(err));
-            }
-            match record.state {
-                RecordState::Completed(Completion::Response(stored)) => {
-                    if cfg.vary_match && !crate::recording::vary_matches(&stored, request) {
-                        self.outcome(Outcome::Mismatch);
-                        let err = IdempotencyError::new(
-                            ErrorKind::Mismatch,
-                            "this idempotency key was already used by a request whose answer varies on request headers (its Vary) that this one sends differently",
-                        );
-                        return Step::Answer(self.flow.error(err));
-                    }
-                    self.outcome(Outcome::Replayed);
-                    let mut res = response::replay(stored);
-                    self.publish_ttl(res.headers_mut());
-                    return Step::Answer(res);
-                }
-                RecordState::Completed(Completion::Tombstone { status }) => {
-                    self.outcome(Outcome::Tombstoned);
-                    // A webhook sender reads anything outside 2xx as "not taken" and
-                    // redelivers for days: it gets the status it was answered, empty.
-                    if cfg.unkept_as_status && !self.flow.grpc {
-                        let mut res = response::replay_omitted(status);
-                        self.publish_ttl(res.headers_mut());
-                        return Step::Answer(res);
-                    }
-                    let err = IdempotencyError::new(ErrorKind::ResponseNotRetained, "the original request completed, but its response was too large to keep; it was not run again")
-                        .original_status(status);
-                    return Step::Answer(self.flow.error(err));
-                }
-                RecordState::InProgress { lease_remaining } => {
-                    if let Some(until) = wait_until {
-                        let waiters = &self.flow.waiters;
-                        if waiters
-                            .wait_for_change(&self.flow.cfg, &self.flow.labels, self.id, until)
-                            .await
-                        {
-                            continue;
-                        }
-                    }
-                    self.outcome(Outcome::Conflict);
-                    let err = IdempotencyError::new(
-                        ErrorKind::InProgress,
-                        "a request with this idempotency key is still being processed",
-                    )
-                    .retry_after(lease_remaining.min(cfg.in_progress.retry_after))
-                    .with_status(cfg.in_progress_status);
-                    return Step::Answer(self.flow.error(err));
-                }
-            }
+    /// Steps 7 to 9 under the claim won at `sent`.
+    ///
+    /// They run inline until the answer is out; what is left then (settling a released
+    /// claim, a streamed answer's end) goes on a task of its own, and so does this whole
+    /// flow when its response future is dropped (client gone, a deadline): nothing can cancel
+    /// the work between the claim and the record (`future::commit`). Inline saves a spawn and
+    /// a cross-thread wake per request.
+    async fn claimed<S, ReqB, ResB>(
+        self,
+        inner: S,
+        parts: request::Parts,
+        bytes: Bytes,
+        claim: Claim,
+        sent: Instant,
+    ) -> Answer<ResB, S::Error>
+    where
+        S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Send + 'static,
+        S::Future: Send + 'static,
+        S::Error: Send + 'static,
+        ReqB: Body<Data = Bytes> + Send + 'static,
+        ResB: Body<Data = Bytes> + Send + 'static,
+        ResB::Error: Send + 'static,
+    {
+        let lease = Lease::new(sent, &self.flow.cfg.timing);
+        let (delivery, token, after) = self.execute(inner, parts, bytes, claim, &lease).await;
+        if let Some(after) = after {
+            let span = tracing::Span::current();
+            self.spawn_after(after, token, lease, span).await;
+        }
+        match delivery {
+            Ok(answer) => answer,
+            Err(panic) => std::panic::resume_unwind(panic),
         }
     }
 

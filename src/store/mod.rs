@@ -11,6 +11,10 @@
 //! | [`release`](IdempotencyStore::release) | end the claim, so a retry runs again: delete a first claim's record, keep a takeover's with its lease ended (see 10) |
 //! | [`get`](IdempotencyStore::get) | read a record (wait mode, operators, a [`LocalTier`] learning a completed one with its [`expires_in`](Record::expires_in)) |
 //!
+//! A store that can settle a claim without I/O may also answer
+//! [`claim_now`](IdempotencyStore::claim_now), the same claim answered at once, under the same
+//! guarantees; the layer asks it first.
+//!
 //! # Guarantees every store gives
 //!
 //! The [conformance suite](crate::conformance) (feature `conformance`) checks each of these
@@ -517,6 +521,15 @@ pub trait IdempotencyStore: Send + Sync + 'static {
     /// without a scope is placed by its id and counted against none.
     async fn claim(&self, request: &ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError>;
 
+    /// [`claim`](Self::claim), answered at once where the store needs no I/O for it: the
+    /// memory store always, a [`LocalTier`] for a record it holds. `None` (the default) means
+    /// "call `claim`". The layer tries this first: a replay served from memory then builds
+    /// no boxed future and no deadline. An answer here carries every guarantee of `claim`'s.
+    fn claim_now(&self, request: &ClaimRequest<'_>) -> Option<Result<ClaimOutcome, StoreError>> {
+        let _ = request;
+        None
+    }
+
     /// Renews the lease of `token`'s claim to `lease` from now.
     async fn extend(&self, id: &RecordId, token: &Token, lease: Duration)
         -> Result<(), StoreError>;
@@ -588,6 +601,10 @@ pub trait IdempotencyStore: Send + Sync + 'static {
 impl<T: IdempotencyStore + ?Sized> IdempotencyStore for Arc<T> {
     async fn claim(&self, request: &ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
         (**self).claim(request).await
+    }
+
+    fn claim_now(&self, request: &ClaimRequest<'_>) -> Option<Result<ClaimOutcome, StoreError>> {
+        (**self).claim_now(request)
     }
 
     async fn extend(

@@ -378,6 +378,14 @@ impl<S: IdempotencyStore> IdempotencyStore for LocalTier<S> {
         Ok(outcome)
     }
 
+    /// A record the tier holds; anything else goes to `claim`, which asks the store and
+    /// learns what it answers.
+    fn claim_now(&self, request: &ClaimRequest<'_>) -> Option<Result<ClaimOutcome, StoreError>> {
+        self.cache
+            .get(request.id)
+            .map(|record| Ok(ClaimOutcome::Existing(record)))
+    }
+
     async fn extend(
         &self,
         id: &RecordId,

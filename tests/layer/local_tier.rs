@@ -149,6 +149,60 @@ async fn memory_replays_stay_local_and_every_check_applies() {
     assert_eq!(p.runs.load(Ordering::SeqCst), 2);
 }
 
+/// The tier answers a claim at once only from what it holds: anything else goes to the
+/// store's `claim`, which learns, even where the store below could answer at once too.
+#[tokio::test(start_paused = true)]
+async fn a_tier_answers_at_once_only_what_it_holds() {
+    use tower_idempotency::store::{
+        ClaimOutcome, ClaimRequest, Completion, Fingerprint, MemoryStore, RecordState,
+    };
+    let memory = Arc::new(MemoryStore::new());
+    let tier = LocalTier::new(memory).with_max_age(Duration::from_secs(5));
+    let id = RecordId::new(None, "k");
+    let fp = Fingerprint::from_bytes([7; 32]);
+    let ttl = Duration::from_secs(60);
+    let req = ClaimRequest::new(&id, &fp, Duration::from_secs(1), ttl);
+    assert!(
+        tier.claim_now(&req).is_none(),
+        "an absent record is the store's"
+    );
+    let Ok(ClaimOutcome::Claimed(claim)) = tier.claim(&req).await else {
+        panic!("a fresh key")
+    };
+    assert!(
+        tier.claim_now(&req).is_none(),
+        "an in-progress record is the store's"
+    );
+    let done = Completion::Tombstone {
+        status: StatusCode::OK,
+    };
+    tier.complete(&id, &claim.token, &done, ttl).await.unwrap();
+    assert!(
+        tier.claim_now(&req).is_none(),
+        "not learned from its own complete"
+    );
+    // The next claim finds it completed and learns it (on a task): then it is answered here.
+    let mut held = None;
+    for _ in 0..20 {
+        assert!(matches!(
+            tier.claim(&req).await,
+            Ok(ClaimOutcome::Existing(_))
+        ));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        if let Some(outcome) = tier.claim_now(&req) {
+            held = Some(outcome);
+            break;
+        }
+    }
+    let Some(Ok(ClaimOutcome::Existing(record))) = held else {
+        panic!("the tier never held the completed record")
+    };
+    assert!(matches!(record.state, RecordState::Completed(_)));
+    // The memory store has no feed: past `max_age` the tier holds nothing, and asks again.
+    tokio::time::advance(Duration::from_secs(5)).await;
+    assert!(tier.claim_now(&req).is_none(), "held past its max_age");
+}
+
 /// A read that never returns does not stop the tier from learning the record later.
 #[tokio::test(start_paused = true)]
 async fn memory_a_hung_read_while_learning_is_given_up_and_tried_again() {

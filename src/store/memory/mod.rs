@@ -309,6 +309,11 @@ impl IdempotencyStore for MemoryStore {
         self.claim_as(r.scope.copied(), r.id, r.fingerprint, r.lease, r.ttl)
     }
 
+    fn claim_now(&self, request: &ClaimRequest<'_>) -> Option<Result<ClaimOutcome, StoreError>> {
+        let r = request;
+        Some(self.claim_as(r.scope.copied(), r.id, r.fingerprint, r.lease, r.ttl))
+    }
+
     async fn extend(
         &self,
         id: &RecordId,

@@ -1,4 +1,5 @@
 use super::*;
+use crate::store::RecordState;
 
 fn fp() -> Fingerprint {
     Fingerprint::from_bytes([1; 32])
@@ -236,4 +237,44 @@ async fn a_failed_random_source_fails_the_claim_and_takes_no_slot() {
             .unwrap(),
         ClaimOutcome::Claimed(_)
     ));
+}
+
+/// `claim_now` is `claim` answered at once: the same outcomes, in one sequence of both.
+#[tokio::test(start_paused = true)]
+async fn claim_now_answers_as_claim_does() {
+    let store = MemoryStore::new();
+    let id = RecordId::new(None, "now");
+    let lease = Duration::from_secs(1);
+    let fingerprint = fp();
+    let req = ClaimRequest::new(&id, &fingerprint, lease, Duration::from_secs(60));
+    let Some(Ok(ClaimOutcome::Claimed(first))) = store.claim_now(&req) else {
+        panic!("an absent key is claimed at once")
+    };
+    assert_eq!(first.token.generation(), 1);
+    for outcome in [store.claim_now(&req).unwrap(), store.claim(&req).await] {
+        let Ok(ClaimOutcome::Existing(record)) = outcome else {
+            panic!("a held key is not claimed twice")
+        };
+        assert!(matches!(record.state, RecordState::InProgress { .. }));
+    }
+    // Past the lease, the same request takes over, and the first token is fenced.
+    tokio::time::advance(lease + Duration::from_millis(1)).await;
+    let Some(Ok(ClaimOutcome::Claimed(second))) = store.claim_now(&req) else {
+        panic!("a lapsed lease is taken over at once")
+    };
+    assert_eq!(second.token.generation(), 2);
+    let err = store.extend(&id, &first.token, lease).await.unwrap_err();
+    assert!(err.is_fenced());
+    let done = Completion::Tombstone {
+        status: http::StatusCode::OK,
+    };
+    store
+        .complete(&id, &second.token, &done, Duration::from_secs(60))
+        .await
+        .unwrap();
+    let Some(Ok(ClaimOutcome::Existing(record))) = store.claim_now(&req) else {
+        panic!("a completed record is answered at once")
+    };
+    assert!(matches!(record.state, RecordState::Completed(_)));
+    assert_eq!(record.fingerprint, fp());
 }
