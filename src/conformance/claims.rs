@@ -334,3 +334,75 @@ pub async fn concurrent_claims_of_a_lapsed_or_expired_record_yield_exactly_one(s
         }
     }
 }
+
+/// [`claim_now`](crate::store::IdempotencyStore::claim_now), wherever a store answers it, is
+/// `claim` answered at once: 64 concurrent claims of an absent key, half through each, have
+/// exactly one `Claimed`; a held record is never claimed again through it; a completed one
+/// comes back with its fingerprint and its answer, to any fingerprint. A store that answers
+/// `None` passes: the layer then calls `claim`.
+pub async fn claim_now_answers_as_claim_does(store: DynStore) {
+    const N: usize = 64;
+    let id = unique_id("now");
+    let barrier = Arc::new(Barrier::new(N));
+    let tasks: Vec<_> = (0..N)
+        .map(|i| {
+            let (store, barrier) = (store.clone(), barrier.clone());
+            tokio::spawn(async move {
+                let f = fp(11);
+                let request = ClaimRequest::new(&id, &f, LEASE, TTL);
+                barrier.wait().await;
+                let now = if i % 2 == 0 {
+                    store.claim_now(&request)
+                } else {
+                    None
+                };
+                match now {
+                    Some(outcome) => outcome,
+                    None => store.claim(&request).await,
+                }
+            })
+        })
+        .collect();
+    let mut tokens = Vec::new();
+    for t in tasks {
+        match t.await.unwrap().expect("claim") {
+            ClaimOutcome::Claimed(c) => tokens.push(c.token),
+            ClaimOutcome::Existing(r) => {
+                assert_eq!(r.fingerprint, fp(11));
+                assert!(matches!(r.state, RecordState::InProgress { .. }));
+            }
+        }
+    }
+    let [token] = tokens[..] else {
+        panic!("{} of {N} claims were Claimed", tokens.len())
+    };
+    let first = fp(11);
+    let held = ClaimRequest::new(&id, &first, LEASE, TTL);
+    if let Some(outcome) = store.claim_now(&held) {
+        match outcome.expect("claim_now") {
+            ClaimOutcome::Existing(r) => {
+                assert!(matches!(r.state, RecordState::InProgress { .. }))
+            }
+            other => panic!("a held record was claimed at once: {other:?}"),
+        }
+    }
+    let answer = response(201, "now");
+    store.complete(&id, &token, &answer, TTL).await.unwrap();
+    for f in [fp(11), fp(12)] {
+        let request = ClaimRequest::new(&id, &f, LEASE, TTL);
+        let Some(outcome) = store.claim_now(&request) else {
+            continue;
+        };
+        match outcome.expect("claim_now") {
+            ClaimOutcome::Existing(r) => {
+                assert_eq!(r.fingerprint, fp(11));
+                assert!(
+                    matches!(&r.state, RecordState::Completed(c) if *c == answer),
+                    "{:?}",
+                    r.state
+                );
+            }
+            other => panic!("a completed record was claimed at once: {other:?}"),
+        }
+    }
+}

@@ -53,7 +53,8 @@ mod recovery;
 mod retention;
 
 pub use claims::{
-    a_scoped_claim_claims_the_same_record, completed_records_replay_byte_exactly,
+    a_scoped_claim_claims_the_same_record, claim_now_answers_as_claim_does,
+    completed_records_replay_byte_exactly,
     concurrent_claims_of_a_lapsed_or_expired_record_yield_exactly_one,
     concurrent_claims_of_one_key_yield_exactly_one_claimed,
     different_fingerprint_sees_the_existing_record, get_reports_the_holder_of_a_record,
@@ -244,6 +245,7 @@ macro_rules! __conformance_checks {
     ([$($callback:tt)+] $($args:tt)*) => {
         $($callback)+! { $($args)*
             concurrent_claims_of_one_key_yield_exactly_one_claimed,
+            claim_now_answers_as_claim_does,
             completed_records_replay_byte_exactly,
             different_fingerprint_sees_the_existing_record,
             lapsed_lease_is_taken_over_with_a_greater_generation,
