@@ -289,6 +289,24 @@ pub async fn extend_keeps_the_lease_alive(store: DynStore) {
     }
 }
 
+/// `extend` to zero ends the lease now (a give-back, a dropped attempt): the same request's
+/// next claim, sent at once, takes over; it does not wait out a rounding of the lease.
+pub async fn a_lease_extended_to_zero_is_taken_over_at_once(store: DynStore) {
+    for _ in 0..20 {
+        let id = unique_id("ended");
+        let token = claim_token(&store, &id, fp(13), LEASE).await;
+        store.extend(&id, &token, Duration::ZERO).await.unwrap();
+        match store
+            .claim(&ClaimRequest::new(&id, &fp(13), LEASE, TTL))
+            .await
+            .unwrap()
+        {
+            ClaimOutcome::Claimed(c) => assert_eq!(c.token.generation(), 2),
+            other => panic!("a lease ended now was still held: {other:?}"),
+        }
+    }
+}
+
 /// A completed record is never taken over, however long ago its lease ended.
 pub async fn completed_records_are_not_taken_over_after_the_lease(store: DynStore) {
     let id = unique_id("kept");

@@ -62,6 +62,7 @@ pub use claims::{
 };
 pub use faults::lost_replies_are_unknown_and_resends_are_idempotent;
 pub use fencing::{
+    a_lease_extended_to_zero_is_taken_over_at_once,
     completed_records_are_not_taken_over_after_the_lease, extend_keeps_the_lease_alive,
     forged_extend_leaves_the_lease_unchanged, lapsed_lease_is_taken_over_with_a_greater_generation,
     releasing_a_takeover_keeps_the_keys_history, stale_tokens_change_nothing,
@@ -255,6 +256,7 @@ macro_rules! __conformance_checks {
             releasing_a_takeover_keeps_the_keys_history,
             a_scoped_claim_claims_the_same_record,
             extend_keeps_the_lease_alive,
+            a_lease_extended_to_zero_is_taken_over_at_once,
             ttl_expiry_makes_the_key_new,
             completed_records_are_not_taken_over_after_the_lease,
             scopes_are_isolated,
