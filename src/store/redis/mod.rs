@@ -787,9 +787,7 @@ impl IdempotencyStore for RedisStore {
     ) -> Result<(), StoreError> {
         let keys = self.keys(id);
         let tok = record::token_bytes(token).ok_or_else(fenced)?;
-        // A zero lease ends it now (a give-back, a dropped attempt): not `millis`'s 1 ms
-        // floor, which `PX` needs and would hold the key 1 ms more. The script sets no expiry
-        // from it (a key always has a TTL of at least zero).
+        // Zero ends the lease now: `millis`'s 1 ms floor (for `PX`) would hold the key 1 ms.
         let lease = if lease.is_zero() { 0 } else { millis(lease) }.to_string();
         let lua = &self.inner.scripts.extend;
         // Still ours and in progress: send again (renewing twice is harmless).
