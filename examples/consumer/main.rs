@@ -52,7 +52,7 @@ use redis::{RedisError, Value};
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 use tower_idempotency::operation::{Identity, Json, OnceError, Operations};
-use tower_idempotency::store::postgres::tokio_postgres::{self, error::SqlState, NoTls};
+use tower_idempotency::store::postgres::tokio_postgres::{self, NoTls};
 use tower_idempotency::store::postgres::PostgresStore;
 use tower_idempotency::{IdempotencyContext, IdempotencyLayer, Timing};
 use tracing::{error, info, warn};
@@ -67,6 +67,8 @@ const FAILED_RETRY: Duration = Duration::from_secs(1);
 /// Entries per XAUTOCLAIM and per page of the pending list.
 const PAGE: usize = 100;
 
+/// The advisory lock `create_table` takes: any fixed number no other code of the database uses.
+const CREATE_LOCK: i64 = 0x636f_6e73_756d_6572; // "consumer"
 const CREATE_TABLE: &str = "CREATE TABLE IF NOT EXISTS consumer_payments (
     payment_id text NOT NULL,  -- deliberately not unique: a double application shows
     message_id text NOT NULL,
@@ -313,19 +315,16 @@ async fn produce(
 }
 
 async fn create_table(client: &tokio_postgres::Client) -> Result<(), BoxError> {
-    // Two consumers starting together race on CREATE TABLE IF NOT EXISTS (its catalog row):
-    // the loser's error means the table is there.
-    for attempt in 1.. {
-        match client.batch_execute(CREATE_TABLE).await {
-            Ok(()) => return Ok(()),
-            Err(e)
-                if attempt < 3
-                    && (e.code() == Some(&SqlState::UNIQUE_VIOLATION)
-                        || e.code() == Some(&SqlState::DUPLICATE_TABLE)) => {}
-            Err(e) => return Err(format!("creating consumer_payments: {e}").into()),
-        }
-    }
-    unreachable!("the loop returns")
+    // Two consumers starting together race on CREATE TABLE IF NOT EXISTS (its catalog rows),
+    // and the loser's error depends on where they collided. A transaction-scoped advisory
+    // lock makes the second wait, then find the table.
+    let ddl = format!("BEGIN; SELECT pg_advisory_xact_lock({CREATE_LOCK}); {CREATE_TABLE}; COMMIT");
+    client.batch_execute(&ddl).await.map_err(|e| {
+        let detail = e
+            .as_db_error()
+            .map_or_else(|| e.to_string(), ToString::to_string);
+        format!("creating consumer_payments: {detail}").into()
+    })
 }
 
 /// The business connection, apart from the store's pool, connected again once closed.
