@@ -146,6 +146,35 @@ fn plain_claim_replies_decide_or_hand_over_to_the_script() {
         ),
         other @ ClaimOutcome::Claimed(_) => panic!("{other:?}"),
     }
+    // So does one holding a recovery point (state `r`), which comes back with its point.
+    let point = crate::store::RecoveryPoint::new(
+        "charged",
+        bytes::Bytes::from_static(b"pay_1"),
+        crate::store::record::ScopeId::new(None),
+        1,
+    )
+    .unwrap();
+    let with_point = {
+        let Value::BulkString(mut v) = held([1; 16]) else {
+            unreachable!()
+        };
+        v[1] = b'r';
+        v.extend_from_slice(&point.encode());
+        bulk(&v)
+    };
+    assert!(matches!(set(with_point.clone()), Err(Fallback::Lease(_))));
+    match plain(with_point, 10_500).ok().unwrap() {
+        ClaimOutcome::Existing(r) => {
+            assert_eq!(r.recovery_point, Some(point));
+            assert_eq!(
+                r.state,
+                RecordState::InProgress {
+                    lease_remaining: Duration::from_millis(1500)
+                }
+            );
+        }
+        other @ ClaimOutcome::Claimed(_) => panic!("{other:?}"),
+    }
     // Lapsed: the script takes over; another fingerprint is told, and never takes over.
     assert!(matches!(plain(held([1; 16]), 8_000), Err(Fallback::Script)));
     let theirs = Fingerprint::from_bytes([8; 32]);
