@@ -177,12 +177,7 @@ impl Operations {
             fingerprint,
         } = identity;
         let (scope_id, id) = RecordId::cached(scope.as_deref(), &key);
-        let span = tracing::info_span!(
-            "idempotency",
-            record = %&id.to_hex()[..16],
-            outcome = tracing::field::Empty,
-            generation = tracing::field::Empty,
-        );
+        let span = crate::service::record_span(&id);
         let run = Run {
             cfg: &self.config,
             waiters: &self.waiters,

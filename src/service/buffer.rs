@@ -22,51 +22,57 @@ pub(super) enum BodyError {
 /// against `limit`). A body that comes whole in one frame is kept as it is, with no copy;
 /// otherwise each frame is copied and dropped at once: a body sent in many small frames must
 /// not pin a read buffer per frame until the end.
-pub(super) async fn buffer_body<B>(
+///
+/// Not an `async fn`, which would hold its arguments twice: this future sits inside every
+/// keyed request's.
+#[allow(clippy::manual_async_fn)] // on purpose: see above
+pub(super) fn buffer_body<B>(
     body: B,
     limit: usize,
     declared: usize,
-) -> Result<Bytes, BodyError>
+) -> impl std::future::Future<Output = Result<Bytes, BodyError>>
 where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
-    let mut body = std::pin::pin!(body);
-    let mut first: Option<Bytes> = None;
-    let mut buf = BytesMut::new();
-    while let Some(frame) = body.as_mut().frame().await {
-        let frame = frame.map_err(|e| BodyError::Failed(e.into()))?;
-        if let Ok(data) = frame.into_data() {
-            if data.is_empty() {
-                continue;
-            }
-            let held = first.as_ref().map_or(0, Bytes::len) + buf.len();
-            if data.len() > limit - held {
-                return Err(BodyError::TooLarge);
-            }
-            match first.take() {
-                // All there is (its declared length, or the body says it ended): kept as
-                // it is. Anything else is copied at once.
-                None if buf.is_empty() && (data.len() == declared || body.is_end_stream()) => {
-                    first = Some(data)
+    async move {
+        let mut body = std::pin::pin!(body);
+        let mut first: Option<Bytes> = None;
+        let mut buf = BytesMut::new();
+        while let Some(frame) = body.as_mut().frame().await {
+            let frame = frame.map_err(|e| BodyError::Failed(e.into()))?;
+            if let Ok(data) = frame.into_data() {
+                if data.is_empty() {
+                    continue;
                 }
-                held => {
-                    if buf.capacity() == 0 {
-                        buf.reserve(
-                            declared
-                                .min(limit)
-                                .max(held.as_ref().map_or(0, Bytes::len) + data.len()),
-                        );
+                let held = first.as_ref().map_or(0, Bytes::len) + buf.len();
+                if data.len() > limit - held {
+                    return Err(BodyError::TooLarge);
+                }
+                match first.take() {
+                    // All there is (its declared length, or the body says it ended): kept as
+                    // it is. Anything else is copied at once.
+                    None if buf.is_empty() && (data.len() == declared || body.is_end_stream()) => {
+                        first = Some(data)
                     }
-                    if let Some(h) = held {
-                        buf.extend_from_slice(&h);
+                    held => {
+                        if buf.capacity() == 0 {
+                            buf.reserve(
+                                declared
+                                    .min(limit)
+                                    .max(held.as_ref().map_or(0, Bytes::len) + data.len()),
+                            );
+                        }
+                        if let Some(h) = held {
+                            buf.extend_from_slice(&h);
+                        }
+                        buf.extend_from_slice(&data);
                     }
-                    buf.extend_from_slice(&data);
                 }
             }
         }
+        Ok(first.unwrap_or_else(|| buf.freeze()))
     }
-    Ok(first.unwrap_or_else(|| buf.freeze()))
 }
 
 pub(super) fn content_length(headers: &HeaderMap) -> Option<u64> {

@@ -244,12 +244,15 @@ impl Flow {
     }
 
     /// Steps 3 to 9 for one keyed request; `key` is `None` when it is read from the body.
-    async fn run<S, ReqB, ResB>(
+    ///
+    /// Not an `async fn`, which would keep its arguments beside the locals they move into for
+    /// its whole life (the request twice): this future is boxed for every keyed request.
+    fn run<S, ReqB, ResB>(
         self,
         inner: S,
         req: Request<ReqB>,
         key: Option<Arc<str>>,
-    ) -> Answer<ResB, S::Error>
+    ) -> impl std::future::Future<Output = Answer<ResB, S::Error>> + Send + 'static
     where
         S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Send + 'static,
         S::Future: Send + 'static,
@@ -260,149 +263,170 @@ impl Flow {
         ResB::Error: Send + 'static,
     {
         let (parts, body) = req.into_parts();
-        let scope: Option<Arc<str>> = match &self.cfg.scope {
-            Scope::Unscoped => None,
-            Scope::Unset => {
-                self.labels.outcome(Outcome::ScopeMissing);
-                tracing::error!("idempotency layer has no scope: call with_scope (or unscoped, to share one key space on purpose); keyed requests are refused");
-                let err = IdempotencyError::new(
-                    ErrorKind::ScopeMissing,
-                    "the request's idempotency scope could not be determined",
-                );
-                return Ok(self.error(err));
-            }
-            Scope::Fn(f) => match f(&parts) {
-                Some(s) => Some(s.into()),
-                None => {
+        async move {
+            let scope: Option<Arc<str>> = match &self.cfg.scope {
+                Scope::Unscoped => None,
+                Scope::Unset => {
                     self.labels.outcome(Outcome::ScopeMissing);
-                    tracing::error!("idempotency scope function returned None: the idempotency layer runs before the layer that sets the scope. Put authentication outside it: with axum, call `.layer(auth)` after `.layer(idempotency)` (the last `.layer()` call is the outermost); with ServiceBuilder or tonic, list the auth layer first");
+                    tracing::error!("idempotency layer has no scope: call with_scope (or unscoped, to share one key space on purpose); keyed requests are refused");
                     let err = IdempotencyError::new(
                         ErrorKind::ScopeMissing,
                         "the request's idempotency scope could not be determined",
                     );
                     return Ok(self.error(err));
                 }
-            },
-        };
+                Scope::Fn(f) => match f(&parts) {
+                    Some(s) => Some(s.into()),
+                    None => {
+                        self.labels.outcome(Outcome::ScopeMissing);
+                        tracing::error!("idempotency scope function returned None: the idempotency layer runs before the layer that sets the scope. Put authentication outside it: with axum, call `.layer(auth)` after `.layer(idempotency)` (the last `.layer()` call is the outermost); with ServiceBuilder or tonic, list the auth layer first");
+                        let err = IdempotencyError::new(
+                            ErrorKind::ScopeMissing,
+                            "the request's idempotency scope could not be determined",
+                        );
+                        return Ok(self.error(err));
+                    }
+                },
+            };
 
-        // 3. Body: Content-Length first, then the limit while reading.
-        let limit = match &self.cfg.grpc {
-            Some(g) if self.grpc => g.max_request_body,
-            _ => self.cfg.max_request_body,
-        };
-        let too_large = || {
-            IdempotencyError::new(
-                ErrorKind::BodyTooLarge,
-                format!("the request body is larger than {limit} bytes"),
-            )
-        };
-        let declared = content_length(&parts.headers);
-        if declared.is_some_and(|n| n > limit as u64) {
-            self.labels.outcome(Outcome::BodyTooLarge);
-            return Ok(self.error(too_large()));
-        }
-        let read = buffer_body(body, limit, declared.unwrap_or(0) as usize);
-        let bytes = match within_for(self.cfg.request_body_timeout, read).await {
-            Ok(Ok(bytes)) => bytes,
-            Ok(Err(BodyError::TooLarge)) => {
-                self.labels.outcome(Outcome::BodyTooLarge);
-                return Ok(self.error(too_large()));
-            }
-            Ok(Err(BodyError::Failed(e))) => {
-                self.labels.outcome(Outcome::BodyUnreadable);
-                tracing::debug!(error = %e, "request body unreadable");
-                return Ok(self.error(IdempotencyError::new(
-                    ErrorKind::BodyUnreadable,
-                    "the request body could not be read",
-                )));
-            }
-            Err(_) => {
-                self.labels.outcome(Outcome::BodyTimeout);
-                return Ok(self.error(IdempotencyError::new(
-                    ErrorKind::BodyTimeout,
-                    "the request body did not arrive in time; nothing was processed",
-                )));
-            }
-        };
-
-        // 2, for a key in the body: read from the one buffer, within its limit and timeout.
-        let key = match key {
-            Some(key) => key,
-            None => match self.cfg.key.read_request(&parts, &bytes, self.grpc) {
-                Ok(key) => {
-                    self.known(&parts.headers, &key);
-                    Arc::from(key)
+            // 3. Body: Content-Length first, then the limit while reading.
+            // In a block: the limit and its message end with it, not kept in this future.
+            let bytes = {
+                let limit = match &self.cfg.grpc {
+                    Some(g) if self.grpc => g.max_request_body,
+                    _ => self.cfg.max_request_body,
+                };
+                let too_large = || {
+                    IdempotencyError::new(
+                        ErrorKind::BodyTooLarge,
+                        format!("the request body is larger than {limit} bytes"),
+                    )
+                };
+                let declared = content_length(&parts.headers);
+                if declared.is_some_and(|n| n > limit as u64) {
+                    self.labels.outcome(Outcome::BodyTooLarge);
+                    return Ok(self.error(too_large()));
                 }
-                Err(Refusal::Missing(_)) if self.cfg.key.is_optional() => {
+                let read = buffer_body(body, limit, declared.unwrap_or(0) as usize);
+                match within_for(self.cfg.request_body_timeout, read).await {
+                    Ok(Ok(bytes)) => bytes,
+                    Ok(Err(BodyError::TooLarge)) => {
+                        self.labels.outcome(Outcome::BodyTooLarge);
+                        return Ok(self.error(too_large()));
+                    }
+                    Ok(Err(BodyError::Failed(e))) => {
+                        self.labels.outcome(Outcome::BodyUnreadable);
+                        tracing::debug!(error = %e, "request body unreadable");
+                        return Ok(self.error(IdempotencyError::new(
+                            ErrorKind::BodyUnreadable,
+                            "the request body could not be read",
+                        )));
+                    }
+                    Err(_) => {
+                        self.labels.outcome(Outcome::BodyTimeout);
+                        return Ok(self.error(IdempotencyError::new(
+                            ErrorKind::BodyTimeout,
+                            "the request body did not arrive in time; nothing was processed",
+                        )));
+                    }
+                }
+            };
+
+            // 2, for a key in the body: read from the one buffer, within its limit and timeout.
+            let key = match key {
+                Some(key) => key,
+                None => match self.cfg.key.read_request(&parts, &bytes, self.grpc) {
+                    Ok(key) => {
+                        self.known(&parts.headers, &key);
+                        Arc::from(key)
+                    }
+                    Err(Refusal::Missing(_)) if self.cfg.key.is_optional() => {
+                        let mut inner = inner;
+                        let req = Request::from_parts(parts, RequestBody::buffered(bytes));
+                        // Boxed: inline, the inner future would size every keyed request's.
+                        return Box::pin(inner.call(req))
+                            .await
+                            .map(|r| r.map(ResponseBody::stream));
+                    }
+                    Err(refusal) => return Ok(self.error(key_refused(&self.labels, refusal))),
+                },
+            };
+            // Matched in place: a named result would stay in the future across every await.
+            if let Some(Err(err)) = self.cfg.signature.as_ref().map(|f| f(&parts, &bytes)) {
+                self.labels.outcome(Outcome::SignatureInvalid);
+                return Ok(self.error(err));
+            }
+
+            // 4. Fingerprint. 5. Record id: the store never sees the raw key.
+            // The path the client sent: inside axum's nested routers `parts.uri` lost its prefix.
+            let target = crate::fingerprint::original_uri(&parts);
+            let fp = fingerprint(&parts, target, &bytes, &self.cfg.fingerprint);
+            // In a block, so the key, its id and its scope live on only in `keyed`.
+            let (keyed, span) = {
+                // Moved in whole, so the borrows below do not keep them in the future.
+                let (key, scope) = (key, scope);
+                let (scope_id, id) = RecordId::cached(scope.as_deref(), &key);
+                let span = record_span(&id);
+                let keyed = Keyed {
+                    flow: self,
+                    key,
+                    scope,
+                    scope_id,
+                    id,
+                    fp,
+                };
+                (keyed, span)
+            };
+            // 6. Claim, inline: a replay or a conflict costs no task. The span is entered around
+            // each step of 6-9 rather than wrapping them in one more future: a replay's future
+            // is moved through every layer above this one, and its size is the cost. The step
+            // has one slot, whichever way it comes: read back out of it into a second one,
+            // both stayed in this boxed future across the awaits below.
+            let mut step = {
+                let _entered = span.enter();
+                keyed.claim_now(&parts.headers)
+            };
+            if step.is_none() {
+                // A response future dropped mid-claim leaves the claim to `PendingClaim`, which
+                // releases it if it was won.
+                step = Some(
+                    Box::pin(keyed.claim(&parts.headers))
+                        .instrument(span.clone())
+                        .await,
+                );
+            }
+            match step {
+                None => unreachable!("the claim step is taken above"),
+                Some(Step::Answer(res)) => Ok(res),
+                // Boxed, as is the claimed path, for the same reason.
+                Some(Step::FailOpen) => {
                     let mut inner = inner;
                     let req = Request::from_parts(parts, RequestBody::buffered(bytes));
-                    return inner.call(req).await.map(|r| r.map(ResponseBody::stream));
+                    Box::pin(inner.call(req))
+                        .instrument(span)
+                        .await
+                        .map(|r| r.map(ResponseBody::stream))
                 }
-                Err(refusal) => return Ok(self.error(key_refused(&self.labels, refusal))),
-            },
-        };
-        let signed = self.cfg.signature.as_ref().map(|f| f(&parts, &bytes));
-        if let Some(Err(err)) = signed {
-            self.labels.outcome(Outcome::SignatureInvalid);
-            return Ok(self.error(err));
-        }
-
-        // 4. Fingerprint. 5. Record id: the store never sees the raw key.
-        // The path the client sent: inside axum's nested routers `parts.uri` lost its prefix.
-        let target = crate::fingerprint::original_uri(&parts);
-        let fp = fingerprint(&parts, target, &bytes, &self.cfg.fingerprint);
-        let (scope_id, id) = RecordId::cached(scope.as_deref(), &key);
-        let span = tracing::info_span!(
-            "idempotency",
-            record = %&id.to_hex()[..16],
-            outcome = tracing::field::Empty,
-            generation = tracing::field::Empty,
-        );
-
-        let keyed = Keyed {
-            flow: self,
-            key,
-            scope,
-            scope_id,
-            id,
-            fp,
-        };
-        // 6. Claim, inline: a replay or a conflict costs no task. The span is entered around
-        // each step of 6-9 rather than wrapping them in one more future: a replay's future
-        // is moved through every layer above this one, and its size is the cost.
-        let now = {
-            let _entered = span.enter();
-            keyed.claim_now(&parts.headers)
-        };
-        let step = match now {
-            Some(step) => step,
-            // A response future dropped mid-claim leaves the claim to `PendingClaim`, which
-            // releases it if it was won.
-            None => {
-                Box::pin(keyed.claim(&parts.headers))
-                    .instrument(span.clone())
-                    .await
-            }
-        };
-        match step {
-            Step::Answer(res) => Ok(res),
-            // Boxed, as is the claimed path, for the same reason.
-            Step::FailOpen => {
-                let mut inner = inner;
-                let req = Request::from_parts(parts, RequestBody::buffered(bytes));
-                Box::pin(inner.call(req))
-                    .instrument(span)
-                    .await
-                    .map(|r| r.map(ResponseBody::stream))
-            }
-            Step::Claimed(claim, sent) => {
-                future::commit();
-                Box::pin(keyed.claimed(inner, parts, bytes, claim, sent))
-                    .instrument(span)
-                    .await
+                Some(Step::Claimed(claim, sent)) => {
+                    future::commit();
+                    Box::pin(keyed.claimed(inner, parts, bytes, claim, sent))
+                        .instrument(span)
+                        .await
+                }
             }
         }
     }
+}
+
+/// The span of one keyed request or operation: named by its record id's first 16 hex digits,
+/// never by its key; the outcome and the claim's generation are filled in as they are known.
+pub(crate) fn record_span(id: &RecordId) -> tracing::Span {
+    tracing::info_span!(
+        "idempotency",
+        record = %&id.to_hex()[..16],
+        outcome = tracing::field::Empty,
+        generation = tracing::field::Empty,
+    )
 }
 
 /// What the claim step decided.
