@@ -243,6 +243,15 @@ impl Flow {
         render(&self.cfg, self.grpc, err)
     }
 
+    /// The refusal of a keyed request whose scope is unknown, counted; the caller logs why.
+    fn scope_missing<B: Body>(&self) -> Response<ResponseBody<B>> {
+        self.labels.outcome(Outcome::ScopeMissing);
+        self.error(IdempotencyError::new(
+            ErrorKind::ScopeMissing,
+            "the request's idempotency scope could not be determined",
+        ))
+    }
+
     /// Steps 3 to 9 for one keyed request; `key` is `None` when it is read from the body.
     ///
     /// Not an `async fn`, which would keep its arguments beside the locals they move into for
@@ -267,24 +276,14 @@ impl Flow {
             let scope: Option<Arc<str>> = match &self.cfg.scope {
                 Scope::Unscoped => None,
                 Scope::Unset => {
-                    self.labels.outcome(Outcome::ScopeMissing);
                     tracing::error!("idempotency layer has no scope: call with_scope (or unscoped, to share one key space on purpose); keyed requests are refused");
-                    let err = IdempotencyError::new(
-                        ErrorKind::ScopeMissing,
-                        "the request's idempotency scope could not be determined",
-                    );
-                    return Ok(self.error(err));
+                    return Ok(self.scope_missing());
                 }
                 Scope::Fn(f) => match f(&parts) {
                     Some(s) => Some(s.into()),
                     None => {
-                        self.labels.outcome(Outcome::ScopeMissing);
                         tracing::error!("idempotency scope function returned None: the idempotency layer runs before the layer that sets the scope. Put authentication outside it: with axum, call `.layer(auth)` after `.layer(idempotency)` (the last `.layer()` call is the outermost); with ServiceBuilder or tonic, list the auth layer first");
-                        let err = IdempotencyError::new(
-                            ErrorKind::ScopeMissing,
-                            "the request's idempotency scope could not be determined",
-                        );
-                        return Ok(self.error(err));
+                        return Ok(self.scope_missing());
                     }
                 },
             };

@@ -365,8 +365,8 @@ impl<S: IdempotencyStore> LocalTier<S> {
 #[async_trait]
 impl<S: IdempotencyStore> IdempotencyStore for LocalTier<S> {
     async fn claim(&self, request: &ClaimRequest<'_>) -> Result<ClaimOutcome, StoreError> {
-        if let Some(record) = self.cache.get(request.id) {
-            return Ok(ClaimOutcome::Existing(record));
+        if let Some(held) = self.claim_now(request) {
+            return held;
         }
         self.start_feed();
         let outcome = self.inner.claim(request).await?;
