@@ -6,7 +6,9 @@
 
 use std::any::Any;
 use std::fmt;
+use std::future::Future;
 use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -261,7 +263,7 @@ impl Flow {
         inner: S,
         req: Request<ReqB>,
         key: Option<Arc<str>>,
-    ) -> impl std::future::Future<Output = Answer<ResB, S::Error>> + Send + 'static
+    ) -> impl Future<Output = Answer<ResB, S::Error>> + Send + 'static
     where
         S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Send + 'static,
         S::Future: Send + 'static,
@@ -522,14 +524,18 @@ impl Keyed {
     /// flow when its response future is dropped (client gone, a deadline): nothing can cancel
     /// the work between the claim and the record (`future::commit`). Inline saves a spawn and
     /// a cross-thread wake per request.
-    async fn claimed<S, ReqB, ResB>(
+    ///
+    /// Not an `async fn`, which would hold its arguments twice inside every claimed
+    /// request's future.
+    #[allow(clippy::manual_async_fn)] // on purpose: see above
+    fn claimed<S, ReqB, ResB>(
         self,
         inner: S,
         parts: request::Parts,
         bytes: Bytes,
         claim: Claim,
         sent: Instant,
-    ) -> Answer<ResB, S::Error>
+    ) -> impl Future<Output = Answer<ResB, S::Error>>
     where
         S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Send + 'static,
         S::Future: Send + 'static,
@@ -538,23 +544,31 @@ impl Keyed {
         ResB: Body<Data = Bytes> + Send + 'static,
         ResB::Error: Send + 'static,
     {
-        let lease = Lease::new(sent, &self.flow.cfg.timing);
-        let (delivery, token, after) = self.execute(inner, parts, bytes, claim, &lease).await;
-        if let Some(after) = after {
-            let span = tracing::Span::current();
-            self.spawn_after(after, token, lease, span).await;
-        }
-        match delivery {
-            Ok(answer) => answer,
-            Err(panic) => std::panic::resume_unwind(panic),
+        async move {
+            let lease = Lease::new(sent, &self.flow.cfg.timing);
+            let (delivery, token, after) = self.execute(inner, parts, bytes, claim, &lease).await;
+            if let Some(after) = after {
+                let span = tracing::Span::current();
+                if let Some(here) = self.spawn_after(after, token, lease, span) {
+                    here.await;
+                }
+            }
+            match delivery {
+                Ok(answer) => answer,
+                Err(panic) => std::panic::resume_unwind(panic),
+            }
         }
     }
 
     /// Steps 7 to 9: run the inner service once, renewing the lease; settle; the answer as
     /// soon as it is known (a released answer does not wait for its release), with the claim's
     /// token and what is left to do after it.
-    async fn execute<S, ReqB, ResB>(
-        &self,
+    ///
+    /// Not an `async fn`, which would hold its arguments twice inside every claimed
+    /// request's future.
+    #[allow(clippy::manual_async_fn)] // on purpose: see above
+    fn execute<'a, S, ReqB, ResB>(
+        &'a self,
         mut inner: S,
         mut parts: request::Parts,
         bytes: Bytes,
@@ -565,77 +579,88 @@ impl Keyed {
             recovery_point,
             ..
         }: Claim,
-        lease: &Lease,
-    ) -> (Delivery<ResB, S::Error>, Token, Option<After>)
+        lease: &'a Lease,
+    ) -> impl Future<Output = (Delivery<ResB, S::Error>, Token, Option<After>)> + use<'a, S, ReqB, ResB>
     where
         S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
         ResB: Body<Data = Bytes>,
     {
-        tracing::Span::current().record("generation", token.generation());
-        if takeover {
-            let scope = self.scope.clone();
-            took_over(
-                &self.flow.cfg,
-                &self.flow.labels,
-                scope,
+        async move {
+            tracing::Span::current().record("generation", token.generation());
+            if takeover {
+                let scope = self.scope.clone();
+                took_over(
+                    &self.flow.cfg,
+                    &self.flow.labels,
+                    scope,
+                    self.id,
+                    &token,
+                    lapsed_for,
+                );
+            }
+            // What a recorded answer's `Vary` names is known only once it exists: keep the
+            // request's headers until then, for the layer and for a handler that records itself.
+            let request_headers = self
+                .flow
+                .cfg
+                .vary_match
+                .then(|| Arc::new(parts.headers.clone()));
+            let ctx = IdempotencyContext::new(
+                Some(self.key.clone()),
+                self.scope.clone(),
+                self.scope_id,
                 self.id,
-                &token,
-                lapsed_for,
+                self.fp,
+                token,
+                self.flow.cfg.clone(),
+                request_headers.clone(),
+                recovery_point,
             );
-        }
-        // What a recorded answer's `Vary` names is known only once it exists: keep the
-        // request's headers until then, for the layer and for a handler that records itself.
-        let request_headers = self
-            .flow
-            .cfg
-            .vary_match
-            .then(|| Arc::new(parts.headers.clone()));
-        let ctx = IdempotencyContext::new(
-            Some(self.key.clone()),
-            self.scope.clone(),
-            self.scope_id,
-            self.id,
-            self.fp,
-            token,
-            self.flow.cfg.clone(),
-            request_headers.clone(),
-            recovery_point,
-        );
-        parts.extensions.insert(ctx);
-        let req = Request::from_parts(parts, RequestBody::buffered(bytes));
+            parts.extensions.insert(ctx);
+            let req = Request::from_parts(parts, RequestBody::buffered(bytes));
 
-        let work = AssertUnwindSafe(self.work(&mut inner, req)).catch_unwind();
-        let result = tokio::select! {
-            biased;
-            r = work => r,
-            never = self.holder().renew(&token, lease) => match never {},
-        };
-        let (delivery, after) = match result {
-            Err(panic) => {
-                let (_, after) = self.finish(Settlement::Release, &token, lease).await;
-                (Err(panic), after)
-            }
-            Ok(Err(e)) => {
-                let (_, after) = self.finish(Settlement::Release, &token, lease).await;
-                (Ok(Err(e)), after)
-            }
-            Ok(Ok(work)) => {
-                self.settle(work, request_headers.as_deref(), &token, lease)
-                    .await
-            }
-        };
-        (delivery, token, after)
+            let work = AssertUnwindSafe(self.work(&mut inner, req)).catch_unwind();
+            let result = tokio::select! {
+                biased;
+                r = work => r,
+                never = self.holder().renew(&token, lease) => match never {},
+            };
+            let (delivery, after) = match result {
+                Err(panic) => {
+                    let (_, after) = self.finish(Settlement::Release, &token, lease).await;
+                    (Err(panic), after)
+                }
+                Ok(Err(e)) => {
+                    let (_, after) = self.finish(Settlement::Release, &token, lease).await;
+                    (Ok(Err(e)), after)
+                }
+                Ok(Ok(work)) => {
+                    self.settle(work, request_headers.as_deref(), &token, lease)
+                        .await
+                }
+            };
+            (delivery, token, after)
+        }
     }
 
-    /// Runs what is left after the answer on a task of its own (where there is no runtime,
-    /// it is shutting down: here, before the answer).
-    async fn spawn_after(self, after: After, token: Token, lease: Lease, span: tracing::Span) {
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return self.after(after, &token, &lease).instrument(span).await;
-        };
-        drop(
-            runtime.spawn(async move { self.after(after, &token, &lease).await }.instrument(span)),
-        );
+    /// Runs what is left after the answer on a task of its own; where there is no runtime
+    /// (it is shutting down), gives it back to run here, before the answer. Boxed, that rare
+    /// future does not size every claimed request's.
+    fn spawn_after(
+        self,
+        after: After,
+        token: Token,
+        lease: Lease,
+        span: tracing::Span,
+    ) -> Option<Pin<Box<dyn Future<Output = ()> + Send>>> {
+        let rest = async move { self.after(after, &token, &lease).await }.instrument(span);
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                drop(runtime.spawn(rest));
+                None
+            }
+            Err(_) => Some(Box::pin(rest)),
+        }
     }
 
     /// What is left once the answer is out: a release to retry, a handler's record to check,
@@ -695,85 +720,91 @@ impl Keyed {
     }
 
     /// 8. What the work produced decides record or release; [`finish`](Self::finish) does it.
-    async fn settle<ResB, E>(
-        &self,
+    ///
+    /// Not an `async fn`, which would hold its arguments twice inside every claimed
+    /// request's future.
+    #[allow(clippy::manual_async_fn)] // on purpose: see above
+    fn settle<'a, ResB, E>(
+        &'a self,
         work: Work<ResB>,
-        request_headers: Option<&HeaderMap>,
-        token: &Token,
-        lease: &Lease,
-    ) -> (Delivery<ResB, E>, Option<After>)
+        request_headers: Option<&'a HeaderMap>,
+        token: &'a Token,
+        lease: &'a Lease,
+    ) -> impl Future<Output = (Delivery<ResB, E>, Option<After>)> + use<'a, ResB, E>
     where
         ResB: Body<Data = Bytes>,
     {
-        let cfg = &*self.flow.cfg;
-        let (settlement, res) = match work {
-            Work::Unbuffered(RecordDecision::AlreadyRecorded, res) => {
-                (Settlement::AlreadyRecorded, res)
-            }
-            Work::Unbuffered(_, res) | Work::Failed(res) => (Settlement::Release, res),
-            Work::TooLarge(res) => {
-                let tomb = Completion::Tombstone {
-                    status: res.status(),
-                };
-                (Settlement::Record(tomb), res)
-            }
-            Work::Streaming {
-                response,
-                extension,
-                end,
-            } => {
-                // Settled when the stream ends, after the answer.
-                let after = After::Stream {
-                    status: response.status(),
-                    head: response.headers().clone(),
+        async move {
+            let cfg = &*self.flow.cfg;
+            let (settlement, res) = match work {
+                Work::Unbuffered(RecordDecision::AlreadyRecorded, res) => {
+                    (Settlement::AlreadyRecorded, res)
+                }
+                Work::Unbuffered(_, res) | Work::Failed(res) => (Settlement::Release, res),
+                Work::TooLarge(res) => {
+                    let tomb = Completion::Tombstone {
+                        status: res.status(),
+                    };
+                    (Settlement::Record(tomb), res)
+                }
+                Work::Streaming {
+                    response,
                     extension,
                     end,
-                };
-                return (Ok(Ok(response)), Some(after));
-            }
-            Work::Buffered {
-                parts,
-                data,
-                trailers,
-            } => {
-                let info = ResponseInfo::new(parts.status, &parts.headers, trailers.as_ref());
-                let decision = match self.decide(parts.extensions.get().copied(), &info) {
-                    Ok(d) => d,
-                    Err(panic) => {
-                        let (_, after) = self.finish(Settlement::Release, token, lease).await;
-                        return (Err(panic), after);
-                    }
-                };
-                let mut parts = parts;
-                let settlement = Settlement::of(decision, || {
-                    // The headers may move into the record, and come back once it is stored.
-                    let completion = crate::recording::completion_taking(
-                        cfg.recording(),
-                        request_headers,
-                        parts.status,
-                        &mut parts.headers,
-                        data.clone(),
-                        trailers.as_ref(),
-                    );
-                    if let Completion::Response(_) = completion {
-                        self.flow.labels.recorded_body(data.len());
-                    }
-                    completion
-                });
-                let (recorded, after) = self.finish(settlement, token, lease).await;
-                if let Some(completion) = recorded {
-                    let replayable = matches!(completion, Completion::Response(_));
-                    crate::recording::give_back(&mut parts.headers, completion);
-                    if replayable {
-                        self.publish_ttl(&mut parts.headers);
-                    }
+                } => {
+                    // Settled when the stream ends, after the answer.
+                    let after = After::Stream {
+                        status: response.status(),
+                        head: response.headers().clone(),
+                        extension,
+                        end,
+                    };
+                    return (Ok(Ok(response)), Some(after));
                 }
-                let res = Response::from_parts(parts, ResponseBody::full(data, trailers));
-                return (Ok(Ok(res)), after);
-            }
-        };
-        let (_, after) = self.finish(settlement, token, lease).await;
-        (Ok(Ok(res)), after)
+                Work::Buffered {
+                    parts,
+                    data,
+                    trailers,
+                } => {
+                    let info = ResponseInfo::new(parts.status, &parts.headers, trailers.as_ref());
+                    let decision = match self.decide(parts.extensions.get().copied(), &info) {
+                        Ok(d) => d,
+                        Err(panic) => {
+                            let (_, after) = self.finish(Settlement::Release, token, lease).await;
+                            return (Err(panic), after);
+                        }
+                    };
+                    let mut parts = parts;
+                    let settlement = Settlement::of(decision, || {
+                        // The headers may move into the record, and come back once it is stored.
+                        let completion = crate::recording::completion_taking(
+                            cfg.recording(),
+                            request_headers,
+                            parts.status,
+                            &mut parts.headers,
+                            data.clone(),
+                            trailers.as_ref(),
+                        );
+                        if let Completion::Response(_) = completion {
+                            self.flow.labels.recorded_body(data.len());
+                        }
+                        completion
+                    });
+                    let (recorded, after) = self.finish(settlement, token, lease).await;
+                    if let Some(completion) = recorded {
+                        let replayable = matches!(completion, Completion::Response(_));
+                        crate::recording::give_back(&mut parts.headers, completion);
+                        if replayable {
+                            self.publish_ttl(&mut parts.headers);
+                        }
+                    }
+                    let res = Response::from_parts(parts, ResponseBody::full(data, trailers));
+                    return (Ok(Ok(res)), after);
+                }
+            };
+            let (_, after) = self.finish(settlement, token, lease).await;
+            (Ok(Ok(res)), after)
+        }
     }
 
     /// The record decision; a panicking user policy is caught so the claim can be released
@@ -792,29 +823,35 @@ impl Keyed {
     /// store deadline, so a retry sent at once finds the key free. Gives back the completion
     /// it recorded, and what is left after the answer: only a release that failed or timed
     /// out goes on, while the lease lives.
-    async fn finish(
-        &self,
+    ///
+    /// Not an `async fn`, which would hold its arguments twice inside every claimed
+    /// request's future.
+    #[allow(clippy::manual_async_fn)] // on purpose: see above
+    fn finish<'a>(
+        &'a self,
         settlement: Settlement,
-        token: &Token,
-        lease: &Lease,
-    ) -> (Option<Completion>, Option<After>) {
-        match settlement {
-            Settlement::Record(completion) => {
-                self.outcome(match completion {
-                    Completion::Response(_) => Outcome::Executed,
-                    Completion::Tombstone { .. } => Outcome::Tombstoned,
-                });
-                self.holder().complete(token, &completion, lease).await;
-                (Some(completion), None)
-            }
-            Settlement::Release => {
-                self.outcome(Outcome::Released);
-                let first = self.holder().release_once(token, lease.timeout).await;
-                (None, first.is_err().then_some(After::Release))
-            }
-            Settlement::AlreadyRecorded => {
-                self.outcome(Outcome::Executed);
-                (None, Some(After::CheckRecorded))
+        token: &'a Token,
+        lease: &'a Lease,
+    ) -> impl Future<Output = (Option<Completion>, Option<After>)> + use<'a> {
+        async move {
+            match settlement {
+                Settlement::Record(completion) => {
+                    self.outcome(match completion {
+                        Completion::Response(_) => Outcome::Executed,
+                        Completion::Tombstone { .. } => Outcome::Tombstoned,
+                    });
+                    self.holder().complete(token, &completion, lease).await;
+                    (Some(completion), None)
+                }
+                Settlement::Release => {
+                    self.outcome(Outcome::Released);
+                    let first = self.holder().release_once(token, lease.timeout).await;
+                    (None, first.is_err().then_some(After::Release))
+                }
+                Settlement::AlreadyRecorded => {
+                    self.outcome(Outcome::Executed);
+                    (None, Some(After::CheckRecorded))
+                }
             }
         }
     }

@@ -12,6 +12,7 @@ mod grpc;
 mod key_sources;
 mod layer;
 mod local_tier;
+mod no_runtime;
 mod panics;
 mod recovery_faults;
 mod vary;
