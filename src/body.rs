@@ -118,19 +118,36 @@ pin_project! {
 }
 
 pin_project! {
+    // Every response moves through each layer above this one, by value: the rare kinds and
+    // the trailers are boxed so that one moves in a few words (about 50 bytes, not 160).
     #[project = ResponseKindProj]
     enum ResponseKind<B: Body> {
         Stream { #[pin] body: B },
-        Full { data: Option<Bytes>, trailers: Option<HeaderMap> },
-        Rest {
-            prefix: Option<Bytes>,
-            body: Pin<Box<B>>,
-            end: Option<oneshot::Sender<StreamEnd>>,
-            // The last frame, held until the claim is settled.
-            held: Option<(Option<Result<Frame<Bytes>, B::Error>>, oneshot::Receiver<()>)>,
-        },
-        Failed { prefix: Option<Bytes>, error: Option<B::Error> },
+        Full { data: Option<Bytes>, trailers: Option<Box<HeaderMap>> },
+        Rest { rest: Box<Rest<B>> },
+        Failed { failed: Box<Failed<B::Error>> },
     }
+}
+
+/// A large body whose start was already read.
+struct Rest<B: Body> {
+    prefix: Option<Bytes>,
+    body: Pin<Box<B>>,
+    end: Option<oneshot::Sender<StreamEnd>>,
+    // The last frame, held until the claim is settled.
+    held: Option<Held<B>>,
+}
+
+/// The last frame of a [`Rest`], and the word that it may go out.
+type Held<B> = (
+    Option<Result<Frame<Bytes>, <B as Body>::Error>>,
+    oneshot::Receiver<()>,
+);
+
+/// The bytes read so far, then the body's error.
+struct Failed<E> {
+    prefix: Option<Bytes>,
+    error: Option<E>,
 }
 
 impl<B: Body> ResponseBody<B> {
@@ -143,7 +160,10 @@ impl<B: Body> ResponseBody<B> {
     pub(crate) fn full(data: Bytes, trailers: Option<HeaderMap>) -> Self {
         let data = (!data.is_empty()).then_some(data);
         Self {
-            kind: ResponseKind::Full { data, trailers },
+            kind: ResponseKind::Full {
+                data,
+                trailers: trailers.map(Box::new),
+            },
         }
     }
 
@@ -156,10 +176,12 @@ impl<B: Body> ResponseBody<B> {
     ) -> Self {
         Self {
             kind: ResponseKind::Rest {
-                prefix: Some(prefix),
-                body,
-                end,
-                held: None,
+                rest: Box::new(Rest {
+                    prefix: Some(prefix),
+                    body,
+                    end,
+                    held: None,
+                }),
             },
         }
     }
@@ -168,8 +190,10 @@ impl<B: Body> ResponseBody<B> {
     pub(crate) fn failed(prefix: Option<Bytes>, error: B::Error) -> Self {
         Self {
             kind: ResponseKind::Failed {
-                prefix,
-                error: Some(error),
+                failed: Box::new(Failed {
+                    prefix,
+                    error: Some(error),
+                }),
             },
         }
     }
@@ -197,12 +221,13 @@ impl<B: Body<Data = Bytes>> Body for ResponseBody<B> {
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         match self.project().kind.project() {
             ResponseKindProj::Stream { body } => body.poll_frame(cx),
-            ResponseKindProj::Rest {
-                prefix,
-                body,
-                end,
-                held,
-            } => {
+            ResponseKindProj::Rest { rest } => {
+                let Rest {
+                    prefix,
+                    body,
+                    end,
+                    held,
+                } = &mut **rest;
                 if let Some(p) = prefix.take() {
                     return Poll::Ready(Some(Ok(Frame::data(p))));
                 }
@@ -232,9 +257,10 @@ impl<B: Body<Data = Bytes>> Body for ResponseBody<B> {
                 if let Some(d) = data.take() {
                     return Poll::Ready(Some(Ok(Frame::data(d))));
                 }
-                Poll::Ready(trailers.take().map(|t| Ok(Frame::trailers(t))))
+                Poll::Ready(trailers.take().map(|t| Ok(Frame::trailers(*t))))
             }
-            ResponseKindProj::Failed { prefix, error } => {
+            ResponseKindProj::Failed { failed } => {
+                let Failed { prefix, error } = &mut **failed;
                 if let Some(p) = prefix.take() {
                     return Poll::Ready(Some(Ok(Frame::data(p))));
                 }
@@ -247,21 +273,25 @@ impl<B: Body<Data = Bytes>> Body for ResponseBody<B> {
         match &self.kind {
             ResponseKind::Stream { body } => body.is_end_stream(),
             // Not ended while someone waits to hear the trailers: the next poll tells them.
-            ResponseKind::Rest {
-                prefix,
-                body,
-                end,
-                held,
-            } => prefix.is_none() && end.is_none() && held.is_none() && body.is_end_stream(),
+            ResponseKind::Rest { rest } => {
+                let Rest {
+                    prefix,
+                    body,
+                    end,
+                    held,
+                } = &**rest;
+                prefix.is_none() && end.is_none() && held.is_none() && body.is_end_stream()
+            }
             ResponseKind::Full { data, trailers } => data.is_none() && trailers.is_none(),
-            ResponseKind::Failed { prefix, error } => prefix.is_none() && error.is_none(),
+            ResponseKind::Failed { failed } => failed.prefix.is_none() && failed.error.is_none(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match &self.kind {
             ResponseKind::Stream { body } => body.size_hint(),
-            ResponseKind::Rest { prefix, body, .. } => {
+            ResponseKind::Rest { rest } => {
+                let Rest { prefix, body, .. } = &**rest;
                 let extra = prefix.as_ref().map_or(0, |p| p.len() as u64);
                 let inner = body.size_hint();
                 let mut hint = SizeHint::new();
