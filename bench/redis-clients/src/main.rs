@@ -49,40 +49,28 @@ enum Client {
     Fred(fred::clients::Client),
 }
 
+/// The call, for redis-rs: the same command through either connection type.
+fn evalsha(sha: &str, arg: u64) -> redis::Cmd {
+    let mut cmd = redis::cmd("EVALSHA");
+    cmd.arg(sha).arg(1).arg(KEY).arg(arg).arg("replay");
+    cmd
+}
+
 async fn call(client: &mut Client, sha: &str, arg: u64) -> usize {
-    match client {
-        Client::Manager(c) => {
-            let v: bytes::Bytes = redis::cmd("EVALSHA")
-                .arg(sha)
-                .arg(1)
-                .arg(KEY)
-                .arg(arg)
-                .arg("replay")
-                .query_async(c)
-                .await
-                .expect("EVALSHA");
-            v.len()
-        }
-        Client::Multiplexed(c) => {
-            let v: bytes::Bytes = redis::cmd("EVALSHA")
-                .arg(sha)
-                .arg(1)
-                .arg(KEY)
-                .arg(arg)
-                .arg("replay")
-                .query_async(c)
-                .await
-                .expect("EVALSHA");
-            v.len()
-        }
+    let v: bytes::Bytes = match client {
+        Client::Manager(c) => evalsha(sha, arg).query_async(c).await,
+        Client::Multiplexed(c) => evalsha(sha, arg).query_async(c).await,
         Client::Fred(c) => {
-            let v: bytes::Bytes = c
-                .evalsha(sha, vec![KEY], vec![arg.to_string(), "replay".to_string()])
+            let args = vec![arg.to_string(), "replay".to_string()];
+            return c
+                .evalsha::<bytes::Bytes, _, _, _>(sha, vec![KEY], args)
                 .await
-                .expect("EVALSHA");
-            v.len()
+                .expect("EVALSHA")
+                .len();
         }
     }
+    .expect("EVALSHA");
+    v.len()
 }
 
 fn cpu() -> Duration {
