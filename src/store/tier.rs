@@ -134,8 +134,10 @@ struct Cache {
 }
 
 impl Cache {
+    /// Picked by a byte of the id's hash, not of its scope prefix: one scope's records (an
+    /// unscoped layer's are all one scope's) spread over every shard.
     fn shard(&self, id: &RecordId) -> MutexGuard<'_, Shard> {
-        let i = usize::from(id.as_bytes()[0]) % SHARDS;
+        let i = usize::from(id.as_bytes()[RecordId::SCOPE_PREFIX]) % SHARDS;
         self.shards[i].lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -271,7 +273,8 @@ impl<S: IdempotencyStore> LocalTier<S> {
         self.configure(|c| c.max_records = n.get())
     }
 
-    /// Keeps at most `bytes` of records (bodies, headers, trailers and a fixed 256 bytes each).
+    /// Keeps at most `bytes` of records (bodies, headers, trailers and a fixed 256 bytes each),
+    /// a sixteenth in each of 16 shards: a record over a sixteenth of `bytes` is not kept.
     #[must_use]
     pub fn with_max_bytes(self, bytes: NonZeroUsize) -> Self {
         self.configure(|c| c.max_bytes = bytes.get())

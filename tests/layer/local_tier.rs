@@ -633,3 +633,56 @@ mod conformance_on_the_tier_over_redis {
         recovery: async { tier().await.map(|t| Arc::new(t) as DynStore) },
     }
 }
+
+/// A scope's records spread over the tier's shards. The tier is split into 16 shards, each
+/// holding a sixteenth of its records and bytes; a record id starts with its scope's bytes,
+/// so a shard picked by those would put one scope (every record of an unscoped layer) in one
+/// shard, and the tier would hold a sixteenth of what it was given.
+#[tokio::test(start_paused = true)]
+async fn one_scope_can_fill_the_whole_tier() {
+    use std::num::NonZeroUsize;
+    use tower_idempotency::store::{
+        ClaimOutcome, ClaimRequest, Completion, Fingerprint, MemoryStore,
+    };
+    // 160 records: 10 a shard.
+    let tier = LocalTier::new(Arc::new(MemoryStore::new()))
+        .with_max_records(NonZeroUsize::new(160).unwrap())
+        .with_max_age(Duration::from_secs(600));
+    let fp = Fingerprint::from_bytes([7; 32]);
+    let ttl = Duration::from_secs(600);
+    let ids: Vec<RecordId> = (0..80)
+        .map(|k| RecordId::new(Some("t1"), &format!("order-{k}")))
+        .collect();
+    let done = Completion::Tombstone {
+        status: StatusCode::OK,
+    };
+    for id in &ids {
+        let req = ClaimRequest::new(id, &fp, Duration::from_secs(1), ttl);
+        let Ok(ClaimOutcome::Claimed(claim)) = tier.claim(&req).await else {
+            panic!("a fresh key")
+        };
+        tier.complete(id, &claim.token, &done, ttl).await.unwrap();
+    }
+    // Each claim that finds its record completed learns it, on a task of its own.
+    for id in &ids {
+        let req = ClaimRequest::new(id, &fp, Duration::from_secs(1), ttl);
+        assert!(matches!(
+            tier.claim(&req).await,
+            Ok(ClaimOutcome::Existing(_))
+        ));
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let held = ids
+        .iter()
+        .filter(|id| {
+            let req = ClaimRequest::new(id, &fp, Duration::from_secs(1), ttl);
+            tier.claim_now(&req).is_some()
+        })
+        .count();
+    // Spread at random, 80 records over 16 shards of 10 rarely overflow one; all in one
+    // shard, 10 would stay.
+    assert!(
+        held >= 72,
+        "the tier of 160 held {held} of 80 records of one scope"
+    );
+}
