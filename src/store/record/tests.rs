@@ -190,6 +190,23 @@ fn a_record_id_starts_with_its_scope_ids_prefix() {
     );
 }
 
+/// Maps of ids hash only part of each: one scope's ids, which share their first bytes, must
+/// still hash apart, and equal ids alike.
+#[test]
+fn one_scopes_record_ids_hash_apart() {
+    use std::hash::BuildHasher;
+    let hasher =
+        std::hash::BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default();
+    let hashes: std::collections::HashSet<u64> = (0..10_000)
+        .map(|k| hasher.hash_one(RecordId::new(Some("t"), &format!("order-{k}"))))
+        .collect();
+    assert_eq!(hashes.len(), 10_000);
+    assert_eq!(
+        hasher.hash_one(RecordId::new(Some("t"), "k")),
+        hasher.hash_one(RecordId::new(Some("t"), "k"))
+    );
+}
+
 #[test]
 fn tokens_of_the_same_generation_differ() {
     assert_ne!(Token::generate(1).unwrap(), Token::generate(1).unwrap());
