@@ -74,8 +74,8 @@ fn build(
     fitted(cfg, status, kept, body, trailers, vary).unwrap_or(Completion::Tombstone { status })
 }
 
-/// The answer as recorded, or a tombstone's `Err` with `headers` handed back when the whole
-/// record would not fit.
+/// The answer as recorded, or a tombstone's `Err` with `headers` and `body` handed back when
+/// the whole record would not fit.
 fn fitted(
     cfg: Rules<'_>,
     status: StatusCode,
@@ -83,7 +83,7 @@ fn fitted(
     body: Bytes,
     trailers: Option<&HeaderMap>,
     vary: Option<VaryGuard>,
-) -> Result<Completion, HeaderMap> {
+) -> Result<Completion, (HeaderMap, Bytes)> {
     let stored = StoredResponse {
         status,
         headers,
@@ -94,42 +94,48 @@ fn fitted(
     if stored.fits() {
         Ok(Completion::Response(stored))
     } else {
-        Err(stored.headers)
+        Err((stored.headers, stored.body))
     }
 }
 
-/// [`completion`], for the layer's own answer, whose headers it may take: when the record
-/// keeps every one of them they move into the completion instead of being copied (no map
-/// built per record), and `headers` is left empty for [`give_back`] once it is stored.
+/// [`completion`], for the layer's own answer, whose headers and body it may take: when the
+/// record keeps every header they move into the completion instead of being copied (no map
+/// built per record, no shared copy of a body made per record), and `headers` and `body` are
+/// left empty for [`give_back`] once it is stored.
 pub(crate) fn completion_taking(
     cfg: Rules<'_>,
     request: Option<&HeaderMap>,
     status: StatusCode,
     headers: &mut HeaderMap,
-    body: Bytes,
+    body: &mut Bytes,
     trailers: Option<&HeaderMap>,
 ) -> Completion {
     let all_kept = headers
         .keys()
         .all(|n| crate::response::is_recorded(n, cfg.unrecorded_headers));
     if !all_kept || body.len() > cfg.max_response_body {
-        return build(cfg, request, status, headers, body, trailers);
+        return build(cfg, request, status, headers, body.clone(), trailers);
     }
     let vary = request.and_then(|request| vary_guard(headers, request));
-    match fitted(cfg, status, std::mem::take(headers), body, trailers, vary) {
+    let taken = (std::mem::take(headers), std::mem::take(body));
+    match fitted(cfg, status, taken.0, taken.1, trailers, vary) {
         Ok(completion) => completion,
-        Err(taken) => {
-            *headers = taken;
+        Err((h, b)) => {
+            (*headers, *body) = (h, b);
             Completion::Tombstone { status }
         }
     }
 }
 
-/// Puts back the headers [`completion_taking`] took, once the completion is stored.
-pub(crate) fn give_back(headers: &mut HeaderMap, completion: Completion) {
-    if headers.is_empty() {
-        if let Completion::Response(stored) = completion {
+/// Puts back the headers and body [`completion_taking`] took, once the completion is stored.
+/// Either is empty only if taken or empty from the start, when the record's is empty too.
+pub(crate) fn give_back(headers: &mut HeaderMap, body: &mut Bytes, completion: Completion) {
+    if let Completion::Response(stored) = completion {
+        if headers.is_empty() {
             *headers = stored.headers;
+        }
+        if body.is_empty() {
+            *body = stored.body;
         }
     }
 }

@@ -774,26 +774,27 @@ impl Keyed {
                             return (Err(panic), after);
                         }
                     };
-                    let mut parts = parts;
+                    let (mut parts, mut data) = (parts, data);
                     let settlement = Settlement::of(decision, || {
-                        // The headers may move into the record, and come back once it is stored.
+                        // The headers and body may move into the record, and come back once
+                        // it is stored.
                         let completion = crate::recording::completion_taking(
                             cfg.recording(),
                             request_headers,
                             parts.status,
                             &mut parts.headers,
-                            data.clone(),
+                            &mut data,
                             trailers.as_ref(),
                         );
-                        if let Completion::Response(_) = completion {
-                            self.flow.labels.recorded_body(data.len());
+                        if let Completion::Response(r) = &completion {
+                            self.flow.labels.recorded_body(r.body.len());
                         }
                         completion
                     });
                     let (recorded, after) = self.finish(settlement, token, lease).await;
                     if let Some(completion) = recorded {
                         let replayable = matches!(completion, Completion::Response(_));
-                        crate::recording::give_back(&mut parts.headers, completion);
+                        crate::recording::give_back(&mut parts.headers, &mut data, completion);
                         if replayable {
                             self.publish_ttl(&mut parts.headers);
                         }

@@ -1247,6 +1247,7 @@ async fn an_answer_beyond_the_header_caps_is_tombstoned_never_run_twice() {
     let s = svc(IdempotencyLayer::new(MemoryStore::new()).unscoped(), &app);
     let first = call(&s, post("/many-headers", Some("k"), "{}")).await;
     assert_eq!(first.headers().len(), 1100, "the first answer is whole");
+    assert_eq!(body_bytes(first).await, "run 1", "its body too, given back");
     let retry = call(&s, post("/many-headers", Some("k"), "{}")).await;
     let v = assert_problem(retry, 410, ErrorKind::ResponseNotRetained).await;
     assert_eq!(v["original_status"], 201);
