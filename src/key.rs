@@ -535,7 +535,11 @@ pub(crate) fn check(key: Vec<u8>) -> Result<String, KeyError> {
     if key.len() > MAX_KEY_LEN {
         return Err(KeyError::TooLong);
     }
-    if !key.iter().all(|b| (0x21..=0x7e).contains(b)) {
+    // A fold, not `all`: without the early exit the loop is vectorised, and a key is short.
+    if !key
+        .iter()
+        .fold(true, |ok, b| ok & (0x21..=0x7e).contains(b))
+    {
         return Err(KeyError::InvalidCharacters);
     }
     // Checked above: every byte is visible ASCII.
