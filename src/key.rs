@@ -260,7 +260,7 @@ impl Key {
     }
 
     /// Reads a key that does not need the body (see [`reads_body`](Self::reads_body)).
-    pub(crate) fn read_head(&self, headers: &HeaderMap, grpc: bool) -> Result<String, Refusal> {
+    pub(crate) fn read_head(&self, headers: &HeaderMap, grpc: bool) -> Result<Arc<str>, Refusal> {
         self.read(headers, None, grpc)
     }
 
@@ -270,12 +270,12 @@ impl Key {
         parts: &request::Parts,
         body: &Bytes,
         grpc: bool,
-    ) -> Result<String, Refusal> {
+    ) -> Result<Arc<str>, Refusal> {
         if let Source::Fn(f) = &self.source {
             let noun = self.noun();
             return match f(parts, body) {
                 None => Err(Refusal::Missing(format!("this request has no {noun}"))),
-                Some(key) => check(key.into_bytes()).map_err(|e| {
+                Some(key) => check(key.as_bytes()).map(Arc::from).map_err(|e| {
                     Refusal::Invalid(format!(
                         "the {noun} derived from this request {}",
                         e.reason()
@@ -291,7 +291,7 @@ impl Key {
         headers: &HeaderMap,
         body: Option<&[u8]>,
         grpc: bool,
-    ) -> Result<String, Refusal> {
+    ) -> Result<Arc<str>, Refusal> {
         let noun = self.noun();
         let refuse = |part: &KeyPart, e: PartError, joined: bool| {
             let place = part.place(grpc);
@@ -340,7 +340,7 @@ impl Key {
                         "the {noun} joined from its parts is longer than {MAX_KEY_LEN} characters"
                     )));
                 }
-                Ok(key)
+                Ok(Arc::from(key))
             }
             Source::Fn(_) => unreachable!("a key from a function is read with the body"),
         }
@@ -376,7 +376,7 @@ impl KeyPart {
         }
     }
 
-    fn read(&self, headers: &HeaderMap, body: Option<&[u8]>) -> Result<String, PartError> {
+    fn read(&self, headers: &HeaderMap, body: Option<&[u8]>) -> Result<Arc<str>, PartError> {
         match &self.0 {
             Part::Header(name) => match extract(headers, name) {
                 Ok(Some(key)) => Ok(key),
@@ -391,7 +391,7 @@ impl KeyPart {
                     Ok(Found::Duplicate) => Err(PartError::Bad(KeyError::Duplicate)),
                     Ok(Found::Other(kind)) => Err(PartError::Bad(KeyError::NotAnId(kind))),
                     Ok(Found::Str(s) | Found::Int(s)) => {
-                        check(s.into_bytes()).map_err(PartError::Bad)
+                        check(s.as_bytes()).map(Arc::from).map_err(PartError::Bad)
                     }
                 }
             }
@@ -404,7 +404,9 @@ impl KeyPart {
                     form::Field::Absent => Err(PartError::Missing),
                     form::Field::Repeated => Err(PartError::Bad(KeyError::Repeated)),
                     form::Field::One(None) => Err(PartError::Bad(KeyError::BadEscape)),
-                    form::Field::One(Some(value)) => check(value).map_err(PartError::Bad),
+                    form::Field::One(Some(value)) => {
+                        check(&value).map(Arc::from).map_err(PartError::Bad)
+                    }
                 }
             }
         }
@@ -507,7 +509,10 @@ impl KeyError {
 /// Reads the key from `headers`: `Ok(None)` when absent.
 ///
 /// Accepts a bare token (`abc`) and an RFC 8941 sf-string (`"abc"`), which mean the same key.
-pub(crate) fn extract(headers: &HeaderMap, name: &HeaderName) -> Result<Option<String>, KeyError> {
+pub(crate) fn extract(
+    headers: &HeaderMap,
+    name: &HeaderName,
+) -> Result<Option<Arc<str>>, KeyError> {
     let mut values = headers.get_all(name).iter();
     let Some(value) = values.next() else {
         return Ok(None);
@@ -518,17 +523,17 @@ pub(crate) fn extract(headers: &HeaderMap, name: &HeaderName) -> Result<Option<S
     parse(value.as_bytes()).map(Some)
 }
 
-fn parse(raw: &[u8]) -> Result<String, KeyError> {
-    let key = match raw {
-        [] => return Err(KeyError::Empty),
-        [b'"', ..] => unquote(raw)?,
-        _ => raw.to_vec(),
-    };
-    check(key)
+/// A bare token is checked where it lies and copied once, into the key the layer shares.
+fn parse(raw: &[u8]) -> Result<Arc<str>, KeyError> {
+    match raw {
+        [] => Err(KeyError::Empty),
+        [b'"', ..] => check(&unquote(raw)?).map(Arc::from),
+        _ => check(raw).map(Arc::from),
+    }
 }
 
-/// The rules every key is held to, wherever it came from.
-pub(crate) fn check(key: Vec<u8>) -> Result<String, KeyError> {
+/// The rules every key is held to, wherever it came from: the key as text.
+pub(crate) fn check(key: &[u8]) -> Result<&str, KeyError> {
     if key.is_empty() {
         return Err(KeyError::Empty);
     }
@@ -543,7 +548,7 @@ pub(crate) fn check(key: Vec<u8>) -> Result<String, KeyError> {
         return Err(KeyError::InvalidCharacters);
     }
     // Checked above: every byte is visible ASCII.
-    String::from_utf8(key).map_err(|_| KeyError::InvalidCharacters)
+    std::str::from_utf8(key).map_err(|_| KeyError::InvalidCharacters)
 }
 
 /// RFC 8941 section 4.2.5: `"` chars `"`, where `\"` and `\\` are the only escapes.
@@ -703,7 +708,7 @@ mod tests {
         for v in values {
             h.append("idempotency-key", HeaderValue::from_bytes(v).unwrap());
         }
-        extract(&h, &HeaderName::from_static("idempotency-key"))
+        extract(&h, &HeaderName::from_static("idempotency-key")).map(|k| k.map(|k| k.to_string()))
     }
 
     #[test]

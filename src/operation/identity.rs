@@ -122,7 +122,7 @@ impl Identity {
 }
 
 fn checked(key: &str) -> Result<Arc<str>, InvalidInput> {
-    crate::key::check(key.as_bytes().to_vec())
+    crate::key::check(key.as_bytes())
         .map(Arc::from)
         .map_err(|e| InvalidInput::KeyInvalid(e.detail()))
 }

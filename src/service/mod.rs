@@ -170,7 +170,7 @@ where
             None
         } else {
             match cfg.key.read_head(req.headers(), grpc) {
-                Ok(key) => Some(Arc::from(key)),
+                Ok(key) => Some(key),
                 Err(Refusal::Missing(_)) if cfg.key.is_optional() => {
                     return ResponseFuture::passthrough(
                         self.inner.call(req.map(RequestBody::stream)),
@@ -339,7 +339,7 @@ impl Flow {
                 None => match self.cfg.key.read_request(&parts, &bytes, self.grpc) {
                     Ok(key) => {
                         self.known(&parts.headers, &key);
-                        Arc::from(key)
+                        key
                     }
                     Err(Refusal::Missing(_)) if self.cfg.key.is_optional() => {
                         let mut inner = inner;
