@@ -70,31 +70,33 @@ fn build(
     // From the answer's own `Vary`, before the deny-list: the guard follows what the answer
     // varies on, whether or not the header itself is replayed.
     let vary = request.and_then(|request| vary_guard(headers, request));
-    let kept = cfg.recorded_headers(headers);
-    fitted(cfg, status, kept, body, trailers, vary).unwrap_or(Completion::Tombstone { status })
+    let (mut kept, mut body) = (cfg.recorded_headers(headers), body);
+    fitted(cfg, status, &mut kept, &mut body, trailers, vary)
+        .unwrap_or(Completion::Tombstone { status })
 }
 
-/// The answer as recorded, or a tombstone's `Err` with `headers` and `body` handed back when
-/// the whole record would not fit.
+/// The answer as recorded, its headers and body taken from `headers` and `body`; `None`, with
+/// them put back, when the whole record would not fit.
 fn fitted(
     cfg: Rules<'_>,
     status: StatusCode,
-    headers: HeaderMap,
-    body: Bytes,
+    headers: &mut HeaderMap,
+    body: &mut Bytes,
     trailers: Option<&HeaderMap>,
     vary: Option<VaryGuard>,
-) -> Result<Completion, (HeaderMap, Bytes)> {
+) -> Option<Completion> {
     let stored = StoredResponse {
         status,
-        headers,
-        body,
+        headers: std::mem::take(headers),
+        body: std::mem::take(body),
         trailers: trailers.map(|t| cfg.recorded_headers(t)),
         vary,
     };
     if stored.fits() {
-        Ok(Completion::Response(stored))
+        Some(Completion::Response(stored))
     } else {
-        Err((stored.headers, stored.body))
+        (*headers, *body) = (stored.headers, stored.body);
+        None
     }
 }
 
@@ -117,14 +119,7 @@ pub(crate) fn completion_taking(
         return build(cfg, request, status, headers, body.clone(), trailers);
     }
     let vary = request.and_then(|request| vary_guard(headers, request));
-    let taken = (std::mem::take(headers), std::mem::take(body));
-    match fitted(cfg, status, taken.0, taken.1, trailers, vary) {
-        Ok(completion) => completion,
-        Err((h, b)) => {
-            (*headers, *body) = (h, b);
-            Completion::Tombstone { status }
-        }
-    }
+    fitted(cfg, status, headers, body, trailers, vary).unwrap_or(Completion::Tombstone { status })
 }
 
 /// Puts back the headers and body [`completion_taking`] took, once the completion is stored.
