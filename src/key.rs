@@ -275,7 +275,7 @@ impl Key {
             let noun = self.noun();
             return match f(parts, body) {
                 None => Err(Refusal::Missing(format!("this request has no {noun}"))),
-                Some(key) => check(key.as_bytes()).map(Arc::from).map_err(|e| {
+                Some(key) => check(key.as_bytes()).map_err(|e| {
                     Refusal::Invalid(format!(
                         "the {noun} derived from this request {}",
                         e.reason()
@@ -391,7 +391,7 @@ impl KeyPart {
                     Ok(Found::Duplicate) => Err(PartError::Bad(KeyError::Duplicate)),
                     Ok(Found::Other(kind)) => Err(PartError::Bad(KeyError::NotAnId(kind))),
                     Ok(Found::Str(s) | Found::Int(s)) => {
-                        check(s.as_bytes()).map(Arc::from).map_err(PartError::Bad)
+                        check(s.as_bytes()).map_err(PartError::Bad)
                     }
                 }
             }
@@ -404,9 +404,7 @@ impl KeyPart {
                     form::Field::Absent => Err(PartError::Missing),
                     form::Field::Repeated => Err(PartError::Bad(KeyError::Repeated)),
                     form::Field::One(None) => Err(PartError::Bad(KeyError::BadEscape)),
-                    form::Field::One(Some(value)) => {
-                        check(&value).map(Arc::from).map_err(PartError::Bad)
-                    }
+                    form::Field::One(Some(value)) => check(&value).map_err(PartError::Bad),
                 }
             }
         }
@@ -527,13 +525,14 @@ pub(crate) fn extract(
 fn parse(raw: &[u8]) -> Result<Arc<str>, KeyError> {
     match raw {
         [] => Err(KeyError::Empty),
-        [b'"', ..] => check(&unquote(raw)?).map(Arc::from),
-        _ => check(raw).map(Arc::from),
+        [b'"', ..] => check(&unquote(raw)?),
+        _ => check(raw),
     }
 }
 
-/// The rules every key is held to, wherever it came from: the key as text.
-pub(crate) fn check(key: &[u8]) -> Result<&str, KeyError> {
+/// The rules every key is held to, wherever it came from: the key, copied once into the
+/// `Arc` the layer shares.
+pub(crate) fn check(key: &[u8]) -> Result<Arc<str>, KeyError> {
     if key.is_empty() {
         return Err(KeyError::Empty);
     }
@@ -548,7 +547,9 @@ pub(crate) fn check(key: &[u8]) -> Result<&str, KeyError> {
         return Err(KeyError::InvalidCharacters);
     }
     // Checked above: every byte is visible ASCII.
-    std::str::from_utf8(key).map_err(|_| KeyError::InvalidCharacters)
+    std::str::from_utf8(key)
+        .map(Arc::from)
+        .map_err(|_| KeyError::InvalidCharacters)
 }
 
 /// RFC 8941 section 4.2.5: `"` chars `"`, where `\"` and `\\` are the only escapes.

@@ -61,7 +61,7 @@ fn build(
     request: Option<&HeaderMap>,
     status: StatusCode,
     headers: &HeaderMap,
-    body: Bytes,
+    mut body: Bytes,
     trailers: Option<&HeaderMap>,
 ) -> Completion {
     if body.len() > cfg.max_response_body {
@@ -70,7 +70,7 @@ fn build(
     // From the answer's own `Vary`, before the deny-list: the guard follows what the answer
     // varies on, whether or not the header itself is replayed.
     let vary = request.and_then(|request| vary_guard(headers, request));
-    let (mut kept, mut body) = (cfg.recorded_headers(headers), body);
+    let mut kept = cfg.recorded_headers(headers);
     fitted(cfg, status, &mut kept, &mut body, trailers, vary)
         .unwrap_or(Completion::Tombstone { status })
 }

@@ -122,9 +122,7 @@ impl Identity {
 }
 
 fn checked(key: &str) -> Result<Arc<str>, InvalidInput> {
-    crate::key::check(key.as_bytes())
-        .map(Arc::from)
-        .map_err(|e| InvalidInput::KeyInvalid(e.detail()))
+    crate::key::check(key.as_bytes()).map_err(|e| InvalidInput::KeyInvalid(e.detail()))
 }
 
 fn fingerprint(tag: u8, input: &[u8]) -> Fingerprint {

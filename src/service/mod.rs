@@ -762,8 +762,8 @@ impl Keyed {
                     return (Ok(Ok(response)), Some(after));
                 }
                 Work::Buffered {
-                    parts,
-                    data,
+                    mut parts,
+                    mut data,
                     trailers,
                 } => {
                     let info = ResponseInfo::new(parts.status, &parts.headers, trailers.as_ref());
@@ -774,7 +774,6 @@ impl Keyed {
                             return (Err(panic), after);
                         }
                     };
-                    let (mut parts, mut data) = (parts, data);
                     let settlement = Settlement::of(decision, || {
                         // The headers and body may move into the record, and come back once
                         // it is stored.
