@@ -136,12 +136,14 @@ payments() { curl -fs "http://$ADDR/v1/debug/stats" | python3 -c 'import json,sy
 
 # Each entry is a list, one value per round.
 declare -A RPS P50 P99 OPS SHOPCPU SRVCPU RSS RUNS
-# The median of a space-separated list; "-" (no figure) when the list is empty or holds one.
 # per_round "a1 a2 .." "b1 b2 ..": a_i / b_i for each round where b_i > 0.
 per_round() { paste -d' ' <(tr ' ' '\n' <<<"$1" | grep -v '^$') <(tr ' ' '\n' <<<"$2" | grep -v '^$') | awk '$2>0 {printf "%.4f ", $1/$2}'; }
 # " (lo-hi)": the rounds' range of per-round ratios, so that a noisy run shows as one; empty
 # for a single round.
 spread() { tr ' ' '\n' <<<"$1" | grep -v '^$' | sort -g | awk '{v[NR]=$1} END {if (NR>1) printf " (%.2f-%.2f)", v[1], v[NR]}'; }
+# The table's name of a case.
+case_name() { case "$1" in get) echo "GET pass-through" ;; unique) echo "POST, new key" ;; replay) echo "POST, replay" ;; esac; }
+# The median of a space-separated list; "-" (no figure) when the list is empty or holds one.
 median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '$1=="-" {dash=1} {v[NR]=$1} END {if (NR==0 || dash) print "-"; else if (NR%2) print v[(NR+1)/2]; else print (v[NR/2]+v[NR/2+1])/2}'; }
 for round in $(seq "$ROUNDS"); do
 # bench/unique.lua makes its keys from LOAD_RUN: a new one per round, or a later round's "new
@@ -213,13 +215,11 @@ done
       # Ratios per round (to that round's bare shop), then their median.
       rounds=$(per_round "${RPS[$mode.$c]}" "${RPS[bare.$c]:-}")
       ratio=$(median <<<"$rounds")
-      p99r=$(paste -d' ' <(tr ' ' '\n' <<<"${P99[$mode.$c]}" | grep -v '^$') <(tr ' ' '\n' <<<"${P99[bare.$c]:-}" | grep -v '^$') \
-        | awk '$2>0 {printf "%.4f ", $1/$2}' | median)
+      p99r=$(per_round "${P99[$mode.$c]}" "${P99[bare.$c]:-}" | median)
       fmt() { awk -v v="$1" -v d="$2" 'BEGIN {if (v=="-") print "-"; else printf "%." d "f", v}'; }
       ratio=$(fmt "$ratio" 2); [ "$ratio" != - ] && ratio="${ratio}x$(spread "$rounds")"
       p99r=$(fmt "$p99r" 2); [ "$p99r" != - ] && p99r="${p99r}x"
-      name=$c; [ "$c" = get ] && name="GET pass-through"; [ "$c" = unique ] && name="POST, new key"; [ "$c" = replay ] && name="POST, replay"
-      echo "| $mode | $name | $(fmt "$(median <<<"${RPS[$mode.$c]}")" 0) | $(fmt "$(median <<<"${P50[$mode.$c]}")" 3) | $(fmt "$(median <<<"${P99[$mode.$c]}")" 3) | $ratio | $p99r | $(fmt "$(median <<<"${SHOPCPU[$mode.$c]}")" 1) | $(fmt "$(median <<<"${SRVCPU[$mode.$c]}")" 1) | $(fmt "$(median <<<"${OPS[$mode.$c]}")" 2) | $(fmt "$(median <<<"${RUNS[$mode.$c]}")" 3) |"
+      echo "| $mode | $(case_name "$c") | $(fmt "$(median <<<"${RPS[$mode.$c]}")" 0) | $(fmt "$(median <<<"${P50[$mode.$c]}")" 3) | $(fmt "$(median <<<"${P99[$mode.$c]}")" 3) | $ratio | $p99r | $(fmt "$(median <<<"${SHOPCPU[$mode.$c]}")" 1) | $(fmt "$(median <<<"${SRVCPU[$mode.$c]}")" 1) | $(fmt "$(median <<<"${OPS[$mode.$c]}")" 2) | $(fmt "$(median <<<"${RUNS[$mode.$c]}")" 3) |"
     done
   done
   # The two Redis stores beside each other, round by round, when both ran.
@@ -229,8 +229,7 @@ done
     echo "|---|---:|"
     for c in get unique replay; do
       rounds=$(per_round "${RPS[redis.$c]}" "${RPS[idempotent.$c]:-}")
-      name=$c; [ "$c" = get ] && name="GET pass-through"; [ "$c" = unique ] && name="POST, new key"; [ "$c" = replay ] && name="POST, replay"
-      echo "| $name | $(awk -v v="$(median <<<"$rounds")" 'BEGIN {printf "%.2f", v}')x$(spread "$rounds") |"
+      echo "| $(case_name "$c") | $(awk -v v="$(median <<<"$rounds")" 'BEGIN {printf "%.2f", v}')x$(spread "$rounds") |"
     done
   fi
   echo
